@@ -1,0 +1,163 @@
+"""The NIXL transfer agent (UCX backend by default): one-sided READs with completion notifications."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nixl_kv.errors import AgentError
+from nixl_kv.interfaces import TransferAgent, TransferStatus
+from nixl_kv.layout import MemoryKind, MemoryRegion
+
+log = logging.getLogger(__name__)
+
+_STATUS = {"DONE": TransferStatus.DONE, "PROC": TransferStatus.IN_PROGRESS, "ERR": TransferStatus.FAILED}
+
+
+class NixlAgent(TransferAgent):
+    """A ``nixl_agent`` plus the bookkeeping that lets ``close`` release everything it created.
+
+    Not thread-safe: one thread (the transceiver's progress loop) makes every call.
+    """
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        config = nixl_agent_config(enable_prog_thread=True, backends=list(backends))
+        self._agent = nixl_agent(name, config)
+        self._registrations: list[Any] = []
+        self._prepared: list[Any] = []
+        self._transfers: set[Any] = set()
+        self._remotes: set[str] = set()
+        self._closed = False
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        by_kind: dict[MemoryKind, list[tuple[int, int, int, str]]] = {}
+        for region in regions:
+            by_kind.setdefault(region.memory, []).append((region.address, region.nbytes, region.device_id, ""))
+        for memory, rows in by_kind.items():
+            self._registrations.append(self._call("register memory", self._agent.register_memory, rows, memory.value))
+
+    def load_remote(self, metadata: bytes) -> str:
+        name = self._call("load remote metadata", self._agent.add_remote_agent, metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(name)
+        return name
+
+    def forget_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            self._call("remove remote agent", self._agent.remove_remote_agent, name)
+
+    def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
+        rows = np.ascontiguousarray(descriptors, dtype=np.uint64)
+        prepared = self._call(
+            f"prepare descriptors of {owner or 'local memory'}",
+            self._agent.prep_xfer_dlist,
+            owner or "NIXL_INIT_AGENT",
+            rows,
+            memory.value,
+        )
+        self._prepared.append(prepared)
+        return prepared
+
+    def release_prepared(self, prepared: Any) -> None:
+        if prepared in self._prepared:
+            self._prepared.remove(prepared)
+            prepared.release()
+
+    def read(
+        self,
+        local: Any,
+        local_indices: np.ndarray,
+        remote: Any,
+        remote_indices: np.ndarray,
+        notification: bytes,
+    ) -> Any:
+        transfer = self._call(
+            "create READ",
+            self._agent.make_prepped_xfer,
+            "READ",
+            local,
+            np.ascontiguousarray(local_indices, dtype=np.int32),
+            remote,
+            np.ascontiguousarray(remote_indices, dtype=np.int32),
+            notification,
+        )
+        self._transfers.add(transfer)
+        if self._call("post READ", self._agent.transfer, transfer) == "ERR":
+            self.release_transfer(transfer)
+            raise AgentError("NIXL refused to post the READ")
+        return transfer
+
+    def status(self, transfer: Any) -> TransferStatus:
+        try:
+            return _STATUS[self._agent.check_xfer_state(transfer)]
+        except Exception as exc:  # NIXL raises its own types for a broken connection
+            log.warning("transfer state check failed: %s", exc)
+            return TransferStatus.FAILED
+
+    def release_transfer(self, transfer: Any) -> bool:
+        try:
+            transfer.release()
+        except Exception as exc:
+            log.warning("NIXL could not release (cancel) a transfer: %s", exc)
+            return False
+        self._transfers.discard(transfer)
+        return True
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._call(f"notify {peer}", self._agent.send_notif, peer, message)
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        found = self._agent.get_new_notifs()
+        return [
+            (sender.decode() if isinstance(sender, bytes) else sender, bytes(message))
+            for sender, messages in found.items()
+            for message in messages
+        ]
+
+    def close(self) -> None:
+        """Release transfers, descriptor lists, remote agents and registrations, in that order."""
+        if self._closed:
+            return
+        self._closed = True
+        for transfer in list(self._transfers):
+            self.release_transfer(transfer)
+        for prepared in list(self._prepared):
+            self.release_prepared(prepared)
+        for name in list(self._remotes):
+            try:
+                self.forget_remote(name)
+            except AgentError as exc:
+                log.warning("%s", exc)
+        for registration in self._registrations:
+            try:
+                self._agent.deregister_memory(registration)
+            except Exception as exc:
+                log.warning("deregistration failed: %s", exc)
+        self._registrations.clear()
+
+    @property
+    def live_handles(self) -> dict[str, int]:
+        """What the agent still holds (tests assert it is all zero after close)."""
+        return {
+            "transfers": len(self._transfers),
+            "prepared": len(self._prepared),
+            "remotes": len(self._remotes),
+            "registrations": len(self._registrations),
+        }
+
+    @staticmethod
+    def _call(what: str, function: Any, *args: Any) -> Any:
+        try:
+            return function(*args)
+        except Exception as exc:  # NIXL's binding raises one class per status code
+            raise AgentError(f"NIXL could not {what}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,194 @@
+"""The reference paged KV cache and the protocol a server implements to embed nixl_kv (DESIGN §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from nixl_kv.dtypes import DataType
+from nixl_kv.errors import BufferExhaustedError
+from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind
+from nixl_kv.memory import allocate, array_module, region_of
+
+
+@runtime_checkable
+class CacheManager(Protocol):
+    """What nixl_kv needs from a server's KV cache manager.
+
+    ``layout`` describes the pools (registered once with the agent). ``pin`` returns a request's block ids
+    and keeps them from being freed or reused until ``unpin``; the ctx side pins for the life of a transfer.
+    """
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def block_ids(self, request_id: int) -> np.ndarray: ...
+
+    def pin(self, request_id: int) -> np.ndarray: ...
+
+    def unpin(self, request_id: int) -> None: ...
+
+
+class BlockAllocator:
+    """A free list of block ids; O(1) per block, no Python loop per block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = np.arange(num_blocks, dtype=np.int64)[::-1].copy()
+        self._free_count = num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self._free_count
+
+    def allocate(self, count: int) -> np.ndarray:
+        if count > self._free_count:
+            raise BufferExhaustedError(f"need {count} blocks, {self._free_count} of {self.num_blocks} are free")
+        start = self._free_count - count
+        blocks = self._free[start : self._free_count][::-1].copy()
+        self._free_count = start
+        return blocks
+
+    def free(self, blocks: np.ndarray) -> None:
+        end = self._free_count + len(blocks)
+        self._free[self._free_count : end] = np.asarray(blocks)[::-1]
+        self._free_count = end
+
+
+@dataclass
+class _Allocation:
+    blocks: np.ndarray
+    pins: int = 0
+    freed: bool = False
+
+
+@dataclass
+class PagedKVCache:
+    """A paged KV cache for one rank, in any ``LayoutKind``, on DRAM or VRAM.
+
+    Elements are stored as unsigned integers of the dtype's width (data moves as bytes). ``free`` of a
+    pinned request is deferred until its last ``unpin``, so a transfer never reads reused blocks.
+    """
+
+    num_blocks: int
+    num_layers: int
+    num_heads: int
+    tokens_per_block: int
+    head_dim: int
+    dtype: DataType
+    kv_factor: int = 2
+    kind: LayoutKind = LayoutKind.BLOCK_MAJOR
+    memory: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+    pools: list[Any] = field(init=False)
+    layout: KVLayout = field(init=False)
+    _allocator: BlockAllocator = field(init=False)
+    _requests: dict[int, _Allocation] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            shapes = [(self.num_blocks, L, K, H, T, D)]
+        elif self.kind is LayoutKind.PER_LAYER_NHD:
+            shapes = [(self.num_blocks, T, H, D)] * (L * K)
+        else:
+            shapes = [(self.num_blocks, H, T, D)] * (L * K)
+        self.pools = [allocate(shape, self.dtype.storage, self.memory, self.device_id) for shape in shapes]
+        self._allocator = BlockAllocator(self.num_blocks)
+        self.layout = KVLayout(
+            kind=self.kind,
+            num_blocks=self.num_blocks,
+            num_layers=L,
+            kv_factor=K,
+            num_heads=H,
+            tokens_per_block=T,
+            head_dim=D,
+            itemsize=self.dtype.itemsize,
+            pools=tuple(region_of(pool, self.memory, self.device_id) for pool in self.pools),
+        )
+
+    # --- allocation --------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self._allocator.free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def allocate(self, request_id: int, num_tokens: int) -> np.ndarray:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} already holds blocks")
+        blocks = self._allocator.allocate(self.blocks_for(num_tokens))
+        self._requests[request_id] = _Allocation(blocks)
+        return blocks
+
+    def free(self, request_id: int) -> None:
+        entry = self._requests[request_id]
+        entry.freed = True
+        self._release_if_done(request_id, entry)
+
+    # --- CacheManager protocol --------------------------------------------------------------------------
+    def block_ids(self, request_id: int) -> np.ndarray:
+        try:
+            return self._requests[request_id].blocks
+        except KeyError:
+            raise KeyError(f"request {request_id} holds no blocks in this cache") from None
+
+    def pin(self, request_id: int) -> np.ndarray:
+        entry = self._requests.get(request_id)
+        if entry is None or entry.freed:
+            raise KeyError(f"request {request_id} holds no blocks in this cache")
+        entry.pins += 1
+        return entry.blocks
+
+    def unpin(self, request_id: int) -> None:
+        entry = self._requests[request_id]
+        entry.pins -= 1
+        self._release_if_done(request_id, entry)
+
+    def _release_if_done(self, request_id: int, entry: _Allocation) -> None:
+        if entry.freed and entry.pins <= 0:
+            del self._requests[request_id]
+            self._allocator.free(entry.blocks)
+
+    # --- element access (tests, fill and verify) ---------------------------------------------------------------
+    def read_tokens(self, request_id: int, num_tokens: int) -> Any:
+        """The request's first ``num_tokens`` tokens as ``[layer, kv, head, token, dim]`` (a copy)."""
+        return self._gather(self.block_ids(request_id))[..., :num_tokens, :]
+
+    def write_tokens(self, request_id: int, values: Any) -> None:
+        """Write ``[layer, kv, head, token, dim]`` values into the request's first tokens."""
+        blocks = self.block_ids(request_id)
+        full = self._gather(blocks)
+        full[..., : values.shape[3], :] = values
+        self._scatter(blocks, full)
+
+    def _gather(self, blocks: np.ndarray) -> Any:
+        xp = array_module(self.memory)
+        L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
+        n = len(blocks)
+        index = xp.asarray(blocks)
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            data = self.pools[0][index]  # [n, L, K, H, T, D]
+            return xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(L, K, H, n * T, D)
+        order = (2, 0, 1, 3) if self.kind is LayoutKind.PER_LAYER_NHD else (1, 0, 2, 3)
+        stacked = xp.stack([pool[index].transpose(order) for pool in self.pools])  # [L*K, H, n, T, D]
+        return stacked.reshape(L, K, H, n * T, D)
+
+    def _scatter(self, blocks: np.ndarray, full: Any) -> None:
+        xp = array_module(self.memory)
+        L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
+        n = len(blocks)
+        index = xp.asarray(blocks)
+        split = full.reshape(L, K, H, n, T, D)
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            self.pools[0][index] = split.transpose(3, 0, 1, 2, 4, 5)
+            return
+        per_pool = split.reshape(L * K, H, n, T, D)
+        for pool, values in zip(self.pools, per_pool, strict=True):
+            if self.kind is LayoutKind.PER_LAYER_NHD:
+                pool[index] = values.transpose(1, 2, 0, 3)  # [n, T, H, D]
+            else:
+                pool[index] = values.transpose(1, 0, 2, 3)  # [n, H, T, D]

@@ -1,0 +1,71 @@
+"""The collectives an instance's ranks need (allgather, bcast, barrier, split), over MPI or in one process."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class CacheTransceiverComm(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def allgather(self, value: Any) -> list[Any]: ...
+
+    def bcast(self, value: Any, root: int = 0) -> Any: ...
+
+    def barrier(self) -> None: ...
+
+    def split(self, color: int, key: int) -> CacheTransceiverComm: ...
+
+
+class SingleProcessComm:
+    """A one-rank instance: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def allgather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def bcast(self, value: Any, root: int = 0) -> Any:
+        return value
+
+    def barrier(self) -> None:
+        return None
+
+    def split(self, color: int, key: int) -> SingleProcessComm:
+        return self
+
+
+class MpiComm:
+    """mpi4py's communicator behind the same interface (imported only when used)."""
+
+    def __init__(self, comm: Any = None) -> None:
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+        self._comm = comm
+
+    @property
+    def rank(self) -> int:
+        return self._comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self._comm.Get_size()
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._comm.allgather(value)
+
+    def bcast(self, value: Any, root: int = 0) -> Any:
+        return self._comm.bcast(value, root=root)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def split(self, color: int, key: int) -> MpiComm:
+        return MpiComm(self._comm.Split(color, key))

@@ -1,0 +1,24 @@
+"""CacheTransceiverConfig: the knobs of the reference's config, in Python style."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheTransceiverConfig:
+    """
+    backend: transfer agent name in the registry (NIXL).
+    max_tokens_in_buffer: tokens one staging slot holds (staged transfers).
+    kv_transfer_timeout_ms: deadline of a transfer from its start; None means the lease bounds it.
+    kv_transfer_sender_future_timeout_ms: how long a ctx status check waits on one transfer when asked for progress.
+    kv_transfer_poll_interval_ms: how long a gen status check waits for progress.
+    lease_ms: how long the ctx side keeps a request's blocks pinned for its readers.
+    """
+
+    backend: str = "NIXL"
+    max_tokens_in_buffer: int = 8192
+    kv_transfer_timeout_ms: int | None = None
+    kv_transfer_sender_future_timeout_ms: int | None = None
+    kv_transfer_poll_interval_ms: int | None = None
+    lease_ms: int = 60_000

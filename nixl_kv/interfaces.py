@@ -1,0 +1,121 @@
+"""The two extension points of nixl_kv: transfer agents and cache formatters (DESIGN §2, §6).
+
+The transceiver layer sees agents and formatters only through these interfaces and the registry; the
+implementations (``agents/``, ``formatters/``) import the data model from ``nixl_kv``, never the reverse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from nixl_kv.layout import KVLayout, MemoryKind, MemoryRegion
+from nixl_kv.state import CacheState, DataTransceiverState
+
+
+class TransferStatus(str, Enum):
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferAgent(ABC):
+    """Moves bytes between registered memory of two processes with one-sided READs.
+
+    Descriptor lists are prepared once (``prepare``) and transfers pick entries by index. ``close`` releases
+    every handle, list, remote agent and registration the agent still holds.
+    """
+
+    name: str
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent (small enough to carry inline in a CommState)."""
+
+    @abstractmethod
+    def register(self, regions: Sequence[MemoryRegion]) -> None: ...
+
+    @abstractmethod
+    def load_remote(self, metadata: bytes) -> str:
+        """Make a peer reachable; returns its agent name. Loading the same peer twice is harmless."""
+
+    @abstractmethod
+    def forget_remote(self, name: str) -> None: ...
+
+    @abstractmethod
+    def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
+        """Prepare a descriptor list: Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows.
+
+        ``owner`` None means local memory; otherwise the peer agent whose memory the rows describe.
+        """
+
+    @abstractmethod
+    def release_prepared(self, prepared: Any) -> None: ...
+
+    @abstractmethod
+    def read(
+        self,
+        local: Any,
+        local_indices: np.ndarray,
+        remote: Any,
+        remote_indices: np.ndarray,
+        notification: bytes,
+    ) -> Any:
+        """Post a READ of remote entries into local entries; the peer gets ``notification`` when it is done."""
+
+    @abstractmethod
+    def status(self, transfer: Any) -> TransferStatus: ...
+
+    @abstractmethod
+    def release_transfer(self, transfer: Any) -> bool:
+        """Release a transfer handle, cancelling it if still active; False if it could not be cancelled."""
+
+    @abstractmethod
+    def notify(self, peer: str, message: bytes) -> None: ...
+
+    @abstractmethod
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications that arrived since the last call, as (sender agent name, message)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PeerRead:
+    """One READ from one ctx rank: which remote descriptor entries land in which local ones."""
+
+    peer_rank: int
+    local_indices: np.ndarray
+    remote_indices: np.ndarray
+    nbytes: int
+    expected_readers: int
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """What a formatter needs to plan one gen rank's reads of one request."""
+
+    self_state: DataTransceiverState
+    self_rank: int
+    self_layout: KVLayout
+    peer_state: DataTransceiverState
+    peer_block_ids: tuple[tuple[int, ...], ...]
+    local_block_ids: np.ndarray
+    num_tokens: int
+
+
+class Formatter(ABC):
+    """Decides which ctx ranks a gen rank reads from and which bytes land where."""
+
+    @abstractmethod
+    def inquire_support(self, self_state: CacheState, peer_state: CacheState) -> None:
+        """Raise IncompatibleStateError or NotSupportedError, naming the difference, before any byte moves."""
+
+    @abstractmethod
+    def plan(self, request: ReadRequest) -> list[PeerRead]: ...

@@ -1,0 +1,132 @@
+"""Where a rank's KV bytes live: pools of memory and the order of (block, layer, kv, head, token, dim) in them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+
+class LayoutKind(str, Enum):
+    """Pool layouts the library can read from and write to.
+
+    BLOCK_MAJOR: one pool ``[block, layer, kv, head, token, dim]``; a block is contiguous over all of the rank's
+    layers (the reference cache manager's layout).
+    PER_LAYER_NHD: one pool per (layer, kv) ``[block, token, head, dim]`` (vLLM's layout).
+    PER_LAYER_HND: one pool per (layer, kv) ``[block, head, token, dim]``.
+    """
+
+    BLOCK_MAJOR = "block_major"
+    PER_LAYER_NHD = "per_layer_nhd"
+    PER_LAYER_HND = "per_layer_hnd"
+
+
+class MemoryKind(str, Enum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered range of memory a peer may read."""
+
+    address: int
+    nbytes: int
+    device_id: int
+    memory: MemoryKind
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape and placement of one rank's paged KV cache.
+
+    A *segment* is the contiguous bytes of one block in one pool: the whole block for BLOCK_MAJOR, one
+    (layer, kv) slice of the block for the per-layer kinds. Descriptor lists are built per segment, so a
+    request's blocks map to segment indices ``pool * num_blocks + block``.
+    """
+
+    kind: LayoutKind
+    num_blocks: int
+    num_layers: int
+    kv_factor: int
+    num_heads: int
+    tokens_per_block: int
+    head_dim: int
+    itemsize: int
+    pools: tuple[MemoryRegion, ...]
+
+    @property
+    def num_pools(self) -> int:
+        return 1 if self.kind is LayoutKind.BLOCK_MAJOR else self.num_layers * self.kv_factor
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one (layer, kv) slice of one block."""
+        return self.num_heads * self.tokens_per_block * self.head_dim * self.itemsize
+
+    @property
+    def segment_bytes(self) -> int:
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            return self.num_layers * self.kv_factor * self.chunk_bytes
+        return self.chunk_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.segment_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all pools."""
+        return self.num_layers * self.kv_factor * self.chunk_bytes
+
+    def problems(self) -> list[str]:
+        """Inconsistencies between the dimensions and the pools; empty when the layout is usable."""
+        found = []
+        dims = (self.num_blocks, self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block)
+        if min(dims + (self.head_dim, self.itemsize)) < 1:
+            found.append("every dimension must be at least 1")
+        if self.kv_factor not in (1, 2):
+            found.append(f"kv_factor must be 1 or 2, got {self.kv_factor}")
+        if len(self.pools) != self.num_pools:
+            found.append(f"{self.kind.value} needs {self.num_pools} pools, got {len(self.pools)}")
+        if self.num_pools * self.num_blocks >= 1 << 31:
+            found.append("pools x blocks must stay below 2**31 descriptors")
+        for i, pool in enumerate(self.pools):
+            if pool.nbytes < self.pool_bytes:
+                found.append(f"pool {i} holds {pool.nbytes} bytes, the layout needs {self.pool_bytes}")
+        return found
+
+    def strided_descriptors(self) -> np.ndarray:
+        """One NIXL strided descriptor row per pool: (address, segment bytes, device, stride, count)."""
+        rows = [
+            (pool.address, self.segment_bytes, pool.device_id, self.segment_bytes, self.num_blocks)
+            for pool in self.pools
+        ]
+        return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+    def segment_indices(self, block_ids: np.ndarray) -> np.ndarray:
+        """Descriptor indices of the given blocks in every pool, pool-major (runs stay contiguous)."""
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        pools = np.arange(self.num_pools, dtype=np.int64)[:, None] * self.num_blocks
+        return (pools + blocks[None, :]).reshape(-1).astype(np.int32)
+
+    def same_shape(self, other: KVLayout) -> bool:
+        """True when a segment of one layout holds exactly the bytes of the same segment of the other."""
+        return (
+            self.kind,
+            self.num_layers,
+            self.kv_factor,
+            self.num_heads,
+            self.tokens_per_block,
+            self.head_dim,
+            self.itemsize,
+        ) == (
+            other.kind,
+            other.num_layers,
+            other.kv_factor,
+            other.num_heads,
+            other.tokens_per_block,
+            other.head_dim,
+            other.itemsize,
+        )

@@ -1,0 +1,125 @@
+"""The progress loop: the one thread that talks to the transfer agent.
+
+NIXL agents are used without internal locking, so every agent call runs here. The loop runs submitted
+calls, polls notifications and hands each to the handler of its message type, and ticks the sender and
+receiver so they can check transfers and deadlines. It spins briefly while work is pending and sleeps on
+its command queue when idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from nixl_kv import wire
+from nixl_kv.errors import NixlKvError, WireFormatError
+from nixl_kv.interfaces import TransferAgent
+
+log = logging.getLogger(__name__)
+
+BUSY_SLEEP_S = 50e-6
+IDLE_WAIT_S = 2e-3
+
+
+class ProgressLoop:
+    def __init__(self, agent: TransferAgent, name: str = "nixl_kv-progress") -> None:
+        self.agent = agent
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._handlers: dict[type, Callable[[str, Any], None]] = {}
+        self._tickers: list[Callable[[float], bool]] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def on_message(self, message_type: type, handler: Callable[[str, Any], None]) -> None:
+        """Call ``handler(sender, message)`` for every notification that decodes as ``message_type``."""
+        self._handlers[message_type] = handler
+
+    def add_ticker(self, tick: Callable[[float], bool]) -> None:
+        """``tick(now)`` runs every iteration; it returns True while it has work pending."""
+        self._tickers.append(tick)
+
+    def submit(self, function: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self._stopping.is_set():
+            future.set_exception(NixlKvError("the transceiver is closed"))
+            return future
+        self._commands.put((function, future))
+        return future
+
+    def call(self, function: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """Run ``function`` on the loop thread and return its result (within ``timeout_s``)."""
+        if threading.current_thread() is self._thread:
+            return function()
+        return self.submit(function).result(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            log.error("progress loop did not stop within %.1f s", timeout_s)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                worked = self._iterate()
+            except Exception:  # a bug must not kill the only thread that makes progress
+                log.exception("progress loop iteration failed")
+                worked = False
+            if not worked:
+                try:
+                    function, future = self._commands.get(timeout=IDLE_WAIT_S)
+                except queue.Empty:
+                    continue
+                self._execute(function, future)
+            else:
+                time.sleep(BUSY_SLEEP_S)
+        self._drain_on_stop()
+
+    def _iterate(self) -> bool:
+        ran = False
+        while True:
+            try:
+                function, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._execute(function, future)
+            ran = True
+        notes = self.agent.poll_notifications()
+        for sender, data in notes:
+            self._dispatch(sender, data)
+        now = time.monotonic()
+        busy = False
+        for tick in self._tickers:
+            busy = tick(now) or busy
+        return ran or bool(notes) or busy
+
+    def _dispatch(self, sender: str, data: bytes) -> None:
+        try:
+            message = wire.decode_one_of(data, tuple(self._handlers))
+        except WireFormatError as exc:
+            log.warning("dropped a malformed notification from %s: %s", sender, exc)
+            return
+        self._handlers[type(message)](sender, message)
+
+    @staticmethod
+    def _execute(function: Callable[[], Any], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _drain_on_stop(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(NixlKvError("the transceiver is closed"))
