@@ -96,6 +96,8 @@ class PagedKVCache:
         else:
             shapes = [(self.num_blocks, H, T, D)] * (L * K)
         self.pools = [allocate(shape, self.dtype.storage, self.memory, self.device_id) for shape in shapes]
+        for pool in self.pools:
+            pool.fill(0)  # touch every page now, not on the first transfer
         self._allocator = BlockAllocator(self.num_blocks)
         self.layout = KVLayout(
             kind=self.kind,

@@ -1,0 +1,92 @@
+"""The ``nixl-kv`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nixl_kv.dtypes import DataType
+from nixl_kv.errors import NotSupportedError
+from nixl_kv.pair import PairOptions, ParallelSpec, format_table, run_pair
+from nixl_kv.pair_worker import InstanceSpec
+
+
+def _requests(text: str) -> tuple[int, ...]:
+    values = tuple(int(item) for item in text.split(",") if item)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("requests are positive token counts, comma-separated")
+    return values
+
+
+def _spec(text: str) -> ParallelSpec:
+    try:
+        return ParallelSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nixl-kv", description="KV cache transfer for disaggregated serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    pair = commands.add_parser("pair", help="run a ctx and a gen instance end to end and verify every element")
+    pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help="ctx SPEC: tp=,pp=,cp=,dp=,layout=")
+    pair.add_argument("--gen", type=_spec, default=ParallelSpec(), help="gen SPEC: tp=,pp=,cp=,dp=,layout=")
+    pair.add_argument("--layers", type=int, default=32)
+    pair.add_argument("--kv-heads", type=int, default=8)
+    pair.add_argument("--head-dim", type=int, default=128)
+    pair.add_argument("--tokens-per-block", type=int, default=32)
+    pair.add_argument("--dtype", choices=[d.value for d in DataType], default="bfloat16")
+    pair.add_argument("--attention", choices=["mha", "mla"], default="mha")
+    pair.add_argument("--requests", type=_requests, default=(256, 777, 1500, 3000))
+    pair.add_argument("--rounds", type=int, default=1)
+    pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    pair.add_argument("--timeout-ms", type=int, default=None, help="gen-side transfer deadline")
+    pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "pair":
+        return _pair(args)
+    return 2
+
+
+def _pair(args: argparse.Namespace) -> int:
+    if args.attention == "mla":
+        print("nixl-kv pair: --attention mla is not supported yet", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        print("nixl-kv pair: --device cuda is not supported yet", file=sys.stderr)
+        return 2
+    if min(args.layers, args.kv_heads, args.head_dim, args.tokens_per_block, args.rounds) < 1:
+        print("nixl-kv pair: layers, kv heads, head dim, tokens per block and rounds must be >= 1", file=sys.stderr)
+        return 2
+    model = InstanceSpec(
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        tokens_per_block=args.tokens_per_block,
+        dtype=args.dtype,
+        num_blocks=1,
+        device=args.device,
+        timeout_ms=args.timeout_ms,
+    )
+    options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
+    try:
+        report = run_pair(options, progress=lambda text: print(f"[pair] {text}", file=sys.stderr, flush=True))
+    except NotSupportedError as exc:
+        print(f"nixl-kv pair: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"nixl-kv pair: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(report))
+    if args.json:
+        print(json.dumps(report.summary()))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""``nixl-kv pair``: a ctx and a gen instance as separate processes, end to end, every element verified.
+
+This process is the router: it asks the ctx instance to prefill (fill from DESIGN §7) and respond, forwards
+each ContextPhaseParams to the gen instance, and collects what the gen instance verified. Every wait on a
+worker has a deadline; a worker that dies or stalls ends the run with an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nixl_kv.errors import NotSupportedError
+from nixl_kv.pair_worker import InstanceSpec, spec_json
+
+WORKER_START_S = 60.0
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 0
+    layout: str = "block_major"
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelSpec:
+        """``tp=2,pp=1,...``; unknown keys and bad values are errors."""
+        values: dict[str, Any] = {}
+        for item in filter(None, text.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in cls.__dataclass_fields__:
+                raise ValueError(f"bad SPEC item {item!r}: expected key=value with keys tp, pp, cp, dp, layout")
+            values[key] = value if key == "layout" else int(value)
+        spec = cls(**values)
+        if min(spec.tp, spec.pp, spec.cp) < 1 or spec.dp not in (0, 1):
+            raise ValueError(f"bad SPEC {text!r}: tp, pp, cp must be >= 1 and dp 0 or 1")
+        return spec
+
+    def check_supported(self, side: str) -> None:
+        if (self.tp, self.pp, self.cp, self.dp) != (1, 1, 1, 0):
+            raise NotSupportedError(f"{side} SPEC tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}: "
+                                    "multi-rank instances are not supported yet")
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    ctx: ParallelSpec
+    gen: ParallelSpec
+    model: InstanceSpec
+    requests: tuple[int, ...]
+    rounds: int
+    step_timeout_s: float = 300.0
+
+
+@dataclass
+class RequestResult:
+    round: int
+    request_id: int
+    tokens: int
+    bytes: int
+    seconds: float
+    verified: bool
+    mismatched: int
+    error: str | None
+
+
+@dataclass
+class PairReport:
+    results: list[RequestResult] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    round_bytes: list[int] = field(default_factory=list)
+    raw_seconds: float = 0.0
+    raw_bytes: int = 0
+    ctx_errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def verified(self) -> int:
+        return sum(r.verified for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and self.verified == len(self.results) and not self.ctx_errors
+
+    def summary(self) -> dict[str, Any]:
+        total_bytes, seconds = sum(self.round_bytes), sum(self.round_seconds)
+        ours = [b / s / 1e9 for b, s in zip(self.round_bytes, self.round_seconds, strict=True) if s > 0]
+        raw = self.raw_bytes / self.raw_seconds / 1e9 if self.raw_seconds else None
+        return {
+            "requests": len(self.results),
+            "verified": self.verified,
+            "failed": len(self.results) - self.verified,
+            "mismatched_elements": sum(r.mismatched for r in self.results),
+            "bytes": total_bytes,
+            "seconds": seconds,
+            "gbps": statistics.median(ours) if ours else None,
+            "raw_read_gbps": raw,
+            "ratio_to_raw": statistics.median(ours) / raw if ours and raw else None,
+            "ctx_errors": self.ctx_errors,
+            "ok": self.ok,
+        }
+
+
+class Worker:
+    """A ctx or gen process; replies are read by a thread so every wait can have a deadline."""
+
+    def __init__(self, role: str, spec: InstanceSpec) -> None:
+        self.role = role
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nixl_kv.pair_worker", role, spec_json(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.replies.put(json.loads(line))
+        self.replies.put(None)
+
+    def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, op: str, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"{self.role} instance gave no {op!r} within {timeout_s:.0f} s") from None
+        if reply is None:
+            raise RuntimeError(f"{self.role} instance exited (code {self.process.poll()}) while we waited for {op!r}")
+        if reply.get("op") != op:
+            raise RuntimeError(f"{self.role} instance answered {reply.get('op')!r}, expected {op!r}")
+        return reply
+
+    def stop(self) -> None:
+        try:
+            self.send(op="quit")
+            self.expect("bye", 30)
+            self.process.wait(timeout=30)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
+
+
+def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
+    """Run the pair; ``progress(text)`` is called as work advances."""
+    options.ctx.check_supported("ctx")
+    options.gen.check_supported("gen")
+    say = progress or (lambda _text: None)
+    blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
+    ctx_spec = replace(options.model, num_blocks=blocks, layout=options.ctx.layout)
+    gen_spec = replace(options.model, num_blocks=blocks, layout=options.gen.layout)
+    report = PairReport()
+    ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
+    try:
+        ctx.expect("ready", WORKER_START_S)
+        gen.expect("ready", WORKER_START_S)
+        say("ctx and gen instances are up")
+        for round_index in range(options.rounds):
+            _run_round(options, round_index, ctx, gen, report, say)
+        say("measuring a raw NIXL READ of the same bytes")
+        _measure_raw(ctx, gen, max(report.round_bytes), report, options.step_timeout_s)
+    finally:
+        ctx.stop()
+        gen.stop()
+    return report
+
+
+def _run_round(
+    options: PairOptions, round_index: int, ctx: Worker, gen: Worker, report: PairReport, say: Any
+) -> None:
+    count = len(options.requests)
+    ids = [round_index * count + i for i in range(count)]
+    say(f"round {round_index + 1}/{options.rounds}: ctx prefills {count} requests")
+    ctx.send(op="send", requests=[[rid, n] for rid, n in zip(ids, options.requests, strict=True)])
+    items = []
+    for rid, tokens in zip(ids, options.requests, strict=True):
+        reply = ctx.expect("params", options.step_timeout_s)
+        items.append([rid + 1_000_000, reply["request_id"], tokens, reply["params"]])
+    ctx.expect("sent", options.step_timeout_s)
+    say(f"round {round_index + 1}/{options.rounds}: gen pulls and verifies {count} requests")
+    gen.send(op="receive", items=items)
+    received = gen.expect("received", options.step_timeout_s)
+    ctx.send(op="settle")
+    settled = ctx.expect("settled", options.step_timeout_s)
+    report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
+    report.round_seconds.append(received["seconds"])
+    report.round_bytes.append(sum(r["bytes"] for r in received["results"]))
+    for r in received["results"]:
+        report.results.append(RequestResult(round=round_index, **r))
+    verified = sum(r["verified"] for r in received["results"])
+    say(f"round {round_index + 1}/{options.rounds}: {verified}/{count} verified in {received['seconds'] * 1e3:.1f} ms")
+
+
+def _measure_raw(ctx: Worker, gen: Worker, nbytes: int, report: PairReport, timeout_s: float) -> None:
+    ctx.send(op="baseline_source", nbytes=nbytes)
+    source = ctx.expect("baseline_source", timeout_s)
+    gen.send(op="baseline_read", metadata=source["metadata"], row=source["row"], repeats=5)
+    result = gen.expect("baseline_result", timeout_s)
+    report.raw_seconds, report.raw_bytes = result["seconds"], result["nbytes"]
+
+
+def format_table(report: PairReport) -> str:
+    lines = [f"{'round':>5} {'request':>8} {'tokens':>7} {'MiB':>9} {'ms':>9} {'GB/s':>7}  verified"]
+    for r in report.results:
+        gbps = r.bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
+        status = "yes" if r.verified else f"NO ({r.error or f'{r.mismatched} mismatched elements'})"
+        lines.append(
+            f"{r.round:>5} {r.request_id:>8} {r.tokens:>7} {r.bytes / 2**20:>9.1f} {r.seconds * 1e3:>9.2f} "
+            f"{gbps:>7.2f}  {status}"
+        )
+    s = report.summary()
+    lines.append("")
+    lines.append(
+        f"total: {s['requests']} requests, {s['verified']} verified, {s['mismatched_elements']} mismatched elements, "
+        f"{s['bytes'] / 2**20:.1f} MiB in {s['seconds'] * 1e3:.1f} ms"
+    )
+    if s["gbps"] is not None and s["raw_read_gbps"] is not None:
+        lines.append(
+            f"nixl_kv: {s['gbps']:.2f} GB/s (median over rounds); raw NIXL READ of the same bytes as one "
+            f"descriptor: {s['raw_read_gbps']:.2f} GB/s; ratio {s['ratio_to_raw']:.2f}"
+        )
+    if s["ctx_errors"]:
+        lines.append(f"ctx side errors: {s['ctx_errors']}")
+    return "\n".join(lines)
