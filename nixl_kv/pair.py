@@ -21,6 +21,7 @@ from nixl_kv.errors import NotSupportedError
 from nixl_kv.pair_worker import InstanceSpec, spec_json
 
 WORKER_START_S = 60.0
+RAW_READ_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class ParallelSpec:
 
     def check_supported(self, side: str) -> None:
         if (self.tp, self.pp, self.cp, self.dp) != (1, 1, 1, 0):
-            raise NotSupportedError(f"{side} SPEC tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}: "
-                                    "multi-rank instances are not supported yet")
+            raise NotSupportedError(
+                f"{side} SPEC tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}: "
+                "multi-rank instances are not supported yet"
+            )
 
 
 @dataclass(frozen=True)
@@ -180,9 +183,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     return report
 
 
-def _run_round(
-    options: PairOptions, round_index: int, ctx: Worker, gen: Worker, report: PairReport, say: Any
-) -> None:
+def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker, report: PairReport, say: Any) -> None:
     count = len(options.requests)
     ids = [round_index * count + i for i in range(count)]
     say(f"round {round_index + 1}/{options.rounds}: ctx prefills {count} requests")
@@ -209,8 +210,10 @@ def _run_round(
 def _measure_raw(ctx: Worker, gen: Worker, nbytes: int, report: PairReport, timeout_s: float) -> None:
     ctx.send(op="baseline_source", nbytes=nbytes)
     source = ctx.expect("baseline_source", timeout_s)
-    gen.send(op="baseline_read", metadata=source["metadata"], row=source["row"], repeats=5)
+    ctx.send(op="baseline_serve", repeats=RAW_READ_REPEATS)
+    gen.send(op="baseline_read", metadata=source["metadata"], row=source["row"], repeats=RAW_READ_REPEATS)
     result = gen.expect("baseline_result", timeout_s)
+    ctx.expect("baseline_served", timeout_s)
     report.raw_seconds, report.raw_bytes = result["seconds"], result["nbytes"]
 
 

@@ -158,13 +158,22 @@ class RawReadBaseline:
     def __init__(self, role: str, nbytes: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(f"pair-baseline-{role}-{time.time_ns()}", nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(
+            f"pair-baseline-{role}-{time.time_ns()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self.buffer = np.ones(nbytes, dtype=np.uint8)
         self.row = (self.buffer.ctypes.data, nbytes, 0)
         self.registration = self.agent.register_memory([(*self.row, "")], "DRAM")
 
     def describe(self) -> None:
         emit(op="baseline_source", metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(), row=self.row)
+
+    def serve(self, repeats: int, timeout_s: float = 120.0) -> None:
+        """Make progress as the READ target (transports without hardware offload need it) until all reads end."""
+        seen, deadline = 0, time.monotonic() + timeout_s
+        while seen < repeats and time.monotonic() < deadline:
+            seen += sum(len(messages) for messages in self.agent.get_new_notifs().values())
+        emit(op="baseline_served", reads=seen)
 
     def read(self, metadata: str, row: list[int], repeats: int) -> None:
         peer = self.agent.add_remote_agent(base64.b64decode(metadata))
@@ -173,7 +182,7 @@ class RawReadBaseline:
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            handle = self.agent.make_prepped_xfer("READ", local, [0], remote, [0])
+            handle = self.agent.make_prepped_xfer("READ", local, [0], remote, [0], b"baseline")
             state = self.agent.transfer(handle)
             deadline = start + 60
             while state == "PROC" and time.perf_counter() < deadline:
@@ -208,6 +217,8 @@ def serve(role: str, spec: InstanceSpec) -> None:
             elif op == "baseline_source":
                 baseline = RawReadBaseline(role, command["nbytes"])
                 baseline.describe()
+            elif op == "baseline_serve" and baseline is not None:
+                baseline.serve(command["repeats"])
             elif op == "baseline_read":
                 baseline = RawReadBaseline(role, command["row"][1])
                 baseline.read(command["metadata"], command["row"], command["repeats"])
