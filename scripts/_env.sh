@@ -1,0 +1,19 @@
+# Shared set-up of scripts/run_pair.sh and scripts/test.sh: create or reuse .venv and install nixl-kv into it.
+# Sourced, not run. Set NIXL_KV_VENV to use another virtual environment.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${NIXL_KV_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.nixl_kv_installed"
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+  echo "[setup] installing nixl-kv and its test extras (nixl brings torch: about a minute the first time)" >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"

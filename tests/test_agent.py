@@ -1,0 +1,95 @@
+"""The NIXL agent on its own: two real agents in one process, DRAM over UCX loopback."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from agents.nixl_agent import NixlAgent
+from nixl_kv.errors import AgentError
+from nixl_kv.interfaces import TransferStatus
+from nixl_kv.layout import MemoryKind, MemoryRegion
+
+
+def _region(array: np.ndarray) -> MemoryRegion:
+    return MemoryRegion(array.ctypes.data, array.nbytes, 0, MemoryKind.DRAM)
+
+
+def _wait(agent: NixlAgent, transfer: object, other: NixlAgent, timeout_s: float = 10.0) -> TransferStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = agent.status(transfer)
+        if status is not TransferStatus.IN_PROGRESS:
+            return status
+        other.poll_notifications()  # target-side progress, as the transceiver's loop does
+    return TransferStatus.IN_PROGRESS
+
+
+def _notifications(
+    agent: NixlAgent, count: int, sender: NixlAgent, timeout_s: float = 5.0
+) -> list[tuple[str, bytes]]:
+    """Poll ``agent`` for ``count`` notifications while the sender makes progress too (no progress thread)."""
+    found: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(found) < count and time.monotonic() < deadline:
+        found += agent.poll_notifications()
+        sender.poll_notifications()
+    return found
+
+
+@pytest.fixture
+def agents():
+    ctx, gen = NixlAgent("test-ctx"), NixlAgent("test-gen")
+    yield ctx, gen
+    for agent in (ctx, gen):
+        agent.close()
+        assert agent.live_handles == {"transfers": 0, "prepared": 0, "remotes": 0, "registrations": 0}
+
+
+def test_read_moves_exact_bytes_and_notifies(agents: tuple[NixlAgent, NixlAgent]) -> None:
+    ctx, gen = agents
+    segment, count = 4096, 32
+    source = np.random.default_rng(1).integers(0, 256, segment * count, dtype=np.uint8)
+    target = np.zeros_like(source)
+    ctx.register([_region(source)])
+    gen.register([_region(target)])
+    assert gen.load_remote(ctx.metadata()) == "test-ctx"
+    rows = lambda a: np.array([[a.ctypes.data, segment, 0, segment, count]], dtype=np.uint64)  # noqa: E731
+    remote = gen.prepare("test-ctx", rows(source), MemoryKind.DRAM)
+    local = gen.prepare(None, rows(target), MemoryKind.DRAM)
+    # scattered entries: remote segment i lands in local segment perm[i]
+    perm = np.random.default_rng(2).permutation(count).astype(np.int32)
+    transfer = gen.read(local, perm, remote, np.arange(count, dtype=np.int32), b"done-1")
+    assert _wait(gen, transfer, ctx) is TransferStatus.DONE
+    assert gen.release_transfer(transfer)
+    expected = np.empty_like(source)
+    for i, j in enumerate(perm):
+        expected[j * segment : (j + 1) * segment] = source[i * segment : (i + 1) * segment]
+    assert np.array_equal(target, expected)
+    assert _notifications(ctx, 1, gen) == [("test-gen", b"done-1")]
+
+
+def test_reply_needs_the_readers_metadata(agents: tuple[NixlAgent, NixlAgent]) -> None:
+    ctx, gen = agents
+    gen.load_remote(ctx.metadata())
+    gen.notify("test-ctx", b"hello")
+    assert _notifications(ctx, 1, gen) == [("test-gen", b"hello")]
+    with pytest.raises(AgentError, match="notify test-gen"):
+        ctx.notify("test-gen", b"reply")
+    ctx.load_remote(gen.metadata())
+    ctx.notify("test-gen", b"reply")
+    assert _notifications(gen, 1, ctx) == [("test-ctx", b"reply")]
+
+
+def test_garbage_metadata_and_unregistered_memory_are_agent_errors(agents: tuple[NixlAgent, NixlAgent]) -> None:
+    ctx, gen = agents
+    with pytest.raises(AgentError, match="load remote metadata"):
+        gen.load_remote(b"not metadata at all" * 4)
+    source = np.ones(4096, dtype=np.uint8)
+    ctx.register([_region(source)])
+    gen.load_remote(ctx.metadata())
+    outside = np.array([[source.ctypes.data + source.nbytes, 4096, 0]], dtype=np.uint64)
+    with pytest.raises(AgentError, match="prepare descriptors of test-ctx"):
+        gen.prepare("test-ctx", outside, MemoryKind.DRAM)

@@ -1,0 +1,63 @@
+"""``nixl-kv pair``: separate ctx and gen processes, the JSON contract, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _pair(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nixl_kv.cli", "pair", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _summary(result: subprocess.CompletedProcess) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "requests"),
+    [("float32", "1,31,32,33,100"), ("int8", "1,7,64,65"), ("bfloat16", "5,200")],
+)
+def test_pair_verifies_every_request(dtype: str, requests: str) -> None:
+    result = _pair(
+        "--layers", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "32",
+        "--dtype", dtype, "--requests", requests, "--rounds", "2", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    count = len(requests.split(",")) * 2
+    assert summary["requests"] == count and summary["verified"] == count
+    assert summary["failed"] == 0 and summary["mismatched_elements"] == 0
+    tokens = sum(int(n) for n in requests.split(","))
+    assert summary["bytes"] > 2 * tokens * 4 * 2 * 2 * 16  # at least the tokens' own bytes, both rounds
+    assert summary["seconds"] > 0 and summary["raw_read_gbps"] > 0
+    assert "verified" in result.stdout and "[pair] round 2/2" in result.stderr
+
+
+def test_pair_defaults_are_a_real_model_shape() -> None:
+    result = _pair("--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["verified"] == summary["requests"] == 4
+    # 32 layers x 2 x 8 heads x 128 dims x 2 bytes = 128 KiB per token, whole blocks of 32 tokens
+    assert summary["bytes"] == sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
+
+
+@pytest.mark.parametrize("spec", ["--ctx=tp=2", "--gen=pp=2", "--gen=dp=1", "--ctx=cp=2"])
+def test_multi_rank_specs_are_refused_clearly(spec: str) -> None:
+    result = _pair(spec, "--layers", "2", "--requests", "8", timeout_s=60)
+    assert result.returncode == 2
+    assert "multi-rank instances are not supported yet" in result.stderr
+
+
+def test_bad_spec_is_a_usage_error() -> None:
+    result = _pair("--ctx=tp=two", timeout_s=60)
+    assert result.returncode == 2 and "--ctx" in result.stderr

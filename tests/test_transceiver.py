@@ -1,0 +1,237 @@
+"""CacheTransceiver end to end in one process: two real NIXL agents on loopback, every element checked."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from nixl_kv import wire
+from nixl_kv.dtypes import DataType
+from nixl_kv.layout import LayoutKind
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.state import ContextPhaseParams
+from tests.conftest import Pair, Shape, make_side
+
+
+def _receive(pair: Pair, gen_id: int, ctx_request: TransferRequest) -> TransferRequest:
+    request = pair.gen_request(gen_id, ctx_request)
+    pair.gen.transceiver.request_and_receive_sync(request)
+    return request
+
+
+@pytest.mark.parametrize("dtype", [DataType.FLOAT32, DataType.BFLOAT16, DataType.INT8])
+def test_every_element_arrives_for_lengths_around_the_block_size(pair_factory, dtype: DataType) -> None:
+    pair = pair_factory(Shape(dtype=dtype))
+    lengths = [1, 15, 16, 17, 100]
+    ctx_requests = [pair.prefill(rid, n) for rid, n in enumerate(lengths)]
+    for rid, ctx_request in enumerate(ctx_requests):
+        received = _receive(pair, 100 + rid, ctx_request)
+        assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+        assert pair.mismatches(100 + rid, rid, lengths[rid]) == 0
+        blocks = -(-lengths[rid] // pair.shape.tokens_per_block)
+        assert received.transfer_bytes == blocks * pair.ctx.cache.layout.block_bytes
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None, mark_complete=True)
+    assert statuses.completed_request_ids == set(range(len(lengths)))
+    assert all(r.state is RequestState.CONTEXT_COMPLETE for r in ctx_requests)
+    for rid in range(len(lengths)):  # every pin was released: freeing returns every block
+        pair.ctx.cache.free(rid)
+    assert pair.ctx.cache.free_blocks == pair.shape.num_blocks
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.PER_LAYER_NHD, LayoutKind.PER_LAYER_HND])
+def test_per_layer_pools_move_directly(pair_factory, kind: LayoutKind) -> None:
+    pair = pair_factory(ctx_kind=kind, gen_kind=kind)
+    ctx_request = pair.prefill(3, 40)
+    received = _receive(pair, 9, ctx_request)
+    assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+    assert pair.mismatches(9, 3, 40) == 0
+
+
+def test_concurrent_requests_and_status_polls(pair_factory) -> None:
+    pair = pair_factory()
+    ctx_requests = [pair.prefill(rid, 20 + 7 * rid) for rid in range(6)]
+    gen_requests = [pair.gen_request(50 + rid, r) for rid, r in enumerate(ctx_requests)]
+    for request in gen_requests:
+        pair.gen.transceiver.request_and_receive_async(request)
+    assert not pair.gen.transceiver.check_gen_transfer_complete()
+    done: set[int] = set()
+    deadline = time.monotonic() + 10
+    while len(done) < 6 and time.monotonic() < deadline:
+        done |= pair.gen.transceiver.check_gen_transfer_status(at_least=0).completed_request_ids
+    assert done == {50 + rid for rid in range(6)}
+    assert pair.gen.transceiver.check_gen_transfer_complete()
+    for rid, request in enumerate(gen_requests):
+        assert request.state is RequestState.GENERATION_TRANS_COMPLETE
+        assert pair.mismatches(50 + rid, rid, 20 + 7 * rid) == 0
+    statuses = pair.ctx.transceiver.check_context_transfer_status(at_least=6, mark_complete=True)
+    assert statuses.completed_request_ids == set(range(6))
+
+
+def test_one_gen_serves_two_ctx_instances_with_the_same_request_id(pair_factory) -> None:
+    pair = pair_factory()
+    other_ctx = make_side(pair.shape)
+    try:
+        first = pair.prefill(7, 33, seed=1)
+        other_ctx.cache.allocate(7, 33)
+        other_ctx.cache.write_tokens(7, _values(pair, seed=2, num_tokens=33))
+        second = TransferRequest(7, num_tokens=33)
+        other_ctx.transceiver.respond_and_send_async(second)
+        gen_a, gen_b = pair.gen_request(1, first), pair.gen_request(2, second)
+        pair.gen.transceiver.request_and_receive_async(gen_a)
+        pair.gen.transceiver.request_and_receive_async(gen_b)
+        pair.gen.transceiver.check_gen_transfer_status(None)
+        assert gen_a.state is gen_b.state is RequestState.GENERATION_TRANS_COMPLETE
+        assert pair.mismatches(1, 1, 33) == 0
+        assert pair.mismatches(2, 2, 33) == 0
+    finally:
+        other_ctx.transceiver.close()
+
+
+def _values(pair: Pair, seed: int, num_tokens: int) -> np.ndarray:
+    from nixl_kv.fill import expected
+
+    return expected(seed, pair.shape.where(num_tokens), pair.shape.dtype.itemsize)
+
+
+def _corruptions(valid: bytes) -> list[tuple[bytes, str]]:
+    body = msgpack.unpackb(valid)
+    wrong_type = dict(body, body=dict(body["body"], num_tokens="many"))
+    return [
+        (b"\x81garbage", "not valid msgpack"),
+        (valid[: len(valid) // 2], "not valid msgpack"),
+        (msgpack.packb(wrong_type), "ContextPhaseParams.num_tokens"),
+        (msgpack.packb(dict(body, nixl_kv=99)), "unsupported wire version"),
+    ]
+
+
+def test_malformed_params_fail_that_request_and_the_next_one_still_arrives(pair_factory) -> None:
+    pair = pair_factory()
+    good = pair.prefill(1, 50)
+    for gen_id, (data, message) in enumerate(_corruptions(good.context_phase_params), start=10):
+        pair.gen.cache.allocate(gen_id, 50)
+        bad = TransferRequest(gen_id, context_phase_params=data)
+        pair.gen.transceiver.request_and_receive_sync(bad)
+        assert bad.state is RequestState.TRANS_ERROR
+        assert "WireFormatError" in bad.error and message in bad.error
+    received = _receive(pair, 99, good)
+    assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+    assert pair.mismatches(99, 1, 50) == 0
+
+
+def test_incompatible_model_is_refused_before_any_byte_moves(pair_factory) -> None:
+    pair = pair_factory()
+    other_gen = make_side(Shape(head_dim=16))
+    try:
+        ctx_request = pair.prefill(1, 20)
+        other_gen.cache.allocate(5, 20)
+        request = TransferRequest(5, context_phase_params=ctx_request.context_phase_params)
+        other_gen.transceiver.request_and_receive_sync(request)
+        assert request.state is RequestState.TRANS_ERROR
+        assert "IncompatibleStateError" in request.error and "head_dim: ours 16, peer 8" in request.error
+        assert not other_gen.cache.read_tokens(5, 20).any()  # nothing was written
+    finally:
+        other_gen.transceiver.close()
+
+
+def test_mismatched_pool_layouts_are_refused_until_conversion_exists(pair_factory) -> None:
+    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)
+    request = _receive(pair, 5, pair.prefill(1, 20))
+    assert request.state is RequestState.TRANS_ERROR
+    assert "layout conversion is not supported yet" in request.error
+
+
+def test_lease_expiry_releases_blocks_and_a_late_read_fails_instead_of_reading_stale_bytes(pair_factory) -> None:
+    pair = pair_factory(ctx_config={"lease_ms": 200})
+    ctx_request = pair.prefill(1, 40)
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None, mark_complete=True)
+    assert statuses.error_request_ids == {1}
+    assert "lease of 200 ms expired with 0 of ? readers done" in ctx_request.error
+    pair.ctx.cache.free(1)
+    # the blocks are reused for another request with other content before the late reader comes
+    blocks = pair.ctx.cache.allocate(2, 40)
+    assert set(blocks) == set(_blocks_of(ctx_request))
+    pair.ctx.cache.write_tokens(2, _values(pair, seed=2, num_tokens=40))
+    late = _receive(pair, 5, ctx_request)
+    assert late.state is RequestState.TRANS_ERROR
+    assert "not pinned here" in late.error
+
+
+def _blocks_of(request: TransferRequest) -> tuple[int, ...]:
+    return wire.decode(request.context_phase_params, ContextPhaseParams).block_ids[0]
+
+
+def test_ctx_cancel_before_the_read_makes_the_reader_fail(pair_factory) -> None:
+    pair = pair_factory()
+    ctx_request = pair.prefill(1, 30)
+    assert pair.ctx.transceiver.cancel_request(ctx_request)
+    received = _receive(pair, 5, ctx_request)
+    assert received.state is RequestState.TRANS_ERROR and "not pinned here" in received.error
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None)
+    assert statuses.error_request_ids == {1} and "cancelled on the ctx side" in ctx_request.error
+
+
+def test_gen_cancel_and_cancel_after_completion(pair_factory) -> None:
+    pair = pair_factory()
+    done = _receive(pair, 5, pair.prefill(1, 30))
+    assert done.state is RequestState.GENERATION_TRANS_COMPLETE
+    assert not pair.gen.transceiver.cancel_request(done)
+    unknown = TransferRequest(12345)
+    assert not pair.gen.transceiver.cancel_request(unknown)
+
+
+def test_a_dead_ctx_instance_ends_the_gen_request_within_its_deadline(pair_factory) -> None:
+    pair = pair_factory(gen_config={"kv_transfer_timeout_ms": 300})
+    ctx_request = pair.prefill(1, 30)
+    pair.ctx.transceiver.close()  # the ctx agent is gone: nobody will answer
+    start = time.monotonic()
+    received = _receive(pair, 5, ctx_request)
+    elapsed = time.monotonic() - start
+    assert received.state is RequestState.TRANS_ERROR
+    assert elapsed < 2.0, elapsed
+    fresh = make_side(pair.shape)  # the gen instance goes on serving a new ctx instance
+    try:
+        fresh.cache.allocate(1, 30)
+        fresh.cache.write_tokens(1, _values(pair, seed=1, num_tokens=30))
+        request = TransferRequest(1, num_tokens=30)
+        fresh.transceiver.respond_and_send_async(request)
+        again = _receive(pair, 6, request)
+        assert again.state is RequestState.GENERATION_TRANS_COMPLETE, again.error
+        assert pair.mismatches(6, 1, 30) == 0
+    finally:
+        fresh.transceiver.close()
+
+
+def test_the_same_ctx_request_cannot_be_received_twice_at_once(pair_factory) -> None:
+    pair = pair_factory()
+    ctx_request = pair.prefill(1, 30)
+    first, second = pair.gen_request(5, ctx_request), pair.gen_request(6, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(first)
+    pair.gen.transceiver.request_and_receive_async(second)
+    pair.gen.transceiver.check_gen_transfer_status(None)
+    assert first.state is RequestState.GENERATION_TRANS_COMPLETE, first.error
+    assert second.state is RequestState.TRANS_ERROR
+    assert "already being received" in second.error
+    assert pair.mismatches(5, 1, 30) == 0
+
+
+def test_draft_and_first_tokens_travel_in_the_params(pair_factory) -> None:
+    pair = pair_factory()
+    pair.ctx.cache.allocate(1, 10)
+    ctx_request = TransferRequest(1, num_tokens=10, first_gen_tokens=(42,), draft_tokens=(7, 8, 9))
+    pair.ctx.transceiver.respond_and_send_async(ctx_request)
+    received = _receive(pair, 5, ctx_request)
+    assert received.state is RequestState.GENERATION_TRANS_COMPLETE
+    assert received.first_gen_tokens == (42,) and received.draft_tokens == (7, 8, 9)
+    assert received.num_tokens == 10
+
+
+def test_serialized_state_decodes_to_the_instance_state(pair_factory) -> None:
+    pair = pair_factory()
+    from nixl_kv.state import DataTransceiverState
+
+    data = pair.ctx.transceiver.get_serialized_data_transceiver_state()
+    assert wire.decode(data, DataTransceiverState) == pair.ctx.transceiver.state
+    assert not pair.ctx.transceiver.has_poisoned_transfer_buffer()
