@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 

@@ -27,9 +27,7 @@ def _wait(agent: NixlAgent, transfer: object, other: NixlAgent, timeout_s: float
     return TransferStatus.IN_PROGRESS
 
 
-def _notifications(
-    agent: NixlAgent, count: int, sender: NixlAgent, timeout_s: float = 5.0
-) -> list[tuple[str, bytes]]:
+def _notifications(agent: NixlAgent, count: int, sender: NixlAgent, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
     """Poll ``agent`` for ``count`` notifications while the sender makes progress too (no progress thread)."""
     found: list[tuple[str, bytes]] = []
     deadline = time.monotonic() + timeout_s
