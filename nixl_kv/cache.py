@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -16,6 +17,9 @@ from nixl_kv.memory import allocate, array_module, region_of
 @runtime_checkable
 class CacheManager(Protocol):
     """What nixl_kv needs from a server's KV cache manager.
+
+    ``pin`` and ``unpin`` are called from the transceiver's progress thread: implementations must be
+    thread-safe against the server's own allocate/free.
 
     ``layout`` describes the pools (registered once with the agent). ``pin`` returns a request's block ids
     and keeps them from being freed or reused until ``unpin``; the ctx side pins for the life of a transfer.
@@ -86,6 +90,7 @@ class PagedKVCache:
     layout: KVLayout = field(init=False)
     _allocator: BlockAllocator = field(init=False)
     _requests: dict[int, _Allocation] = field(init=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
@@ -120,35 +125,41 @@ class PagedKVCache:
         return -(-num_tokens // self.tokens_per_block)
 
     def allocate(self, request_id: int, num_tokens: int) -> np.ndarray:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id} already holds blocks")
-        blocks = self._allocator.allocate(self.blocks_for(num_tokens))
-        self._requests[request_id] = _Allocation(blocks)
-        return blocks
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id} already holds blocks")
+            blocks = self._allocator.allocate(self.blocks_for(num_tokens))
+            self._requests[request_id] = _Allocation(blocks)
+            return blocks
 
     def free(self, request_id: int) -> None:
-        entry = self._requests[request_id]
-        entry.freed = True
-        self._release_if_done(request_id, entry)
+        """Give the request's blocks back; deferred while a transfer still pins them."""
+        with self._lock:
+            entry = self._requests[request_id]
+            entry.freed = True
+            self._release_if_done(request_id, entry)
 
     # --- CacheManager protocol --------------------------------------------------------------------------
     def block_ids(self, request_id: int) -> np.ndarray:
-        try:
-            return self._requests[request_id].blocks
-        except KeyError:
-            raise KeyError(f"request {request_id} holds no blocks in this cache") from None
-
-    def pin(self, request_id: int) -> np.ndarray:
-        entry = self._requests.get(request_id)
-        if entry is None or entry.freed:
+        with self._lock:
+            entry = self._requests.get(request_id)
+        if entry is None:
             raise KeyError(f"request {request_id} holds no blocks in this cache")
-        entry.pins += 1
         return entry.blocks
 
+    def pin(self, request_id: int) -> np.ndarray:
+        with self._lock:
+            entry = self._requests.get(request_id)
+            if entry is None or entry.freed:
+                raise KeyError(f"request {request_id} holds no blocks in this cache")
+            entry.pins += 1
+            return entry.blocks
+
     def unpin(self, request_id: int) -> None:
-        entry = self._requests[request_id]
-        entry.pins -= 1
-        self._release_if_done(request_id, entry)
+        with self._lock:
+            entry = self._requests[request_id]
+            entry.pins -= 1
+            self._release_if_done(request_id, entry)
 
     def _release_if_done(self, request_id: int, entry: _Allocation) -> None:
         if entry.freed and entry.pins <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams
 
 log = logging.getLogger(__name__)
+
+MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
 
 
 @dataclass
@@ -54,7 +57,7 @@ class CacheSender:
         self._dp_rank = dp_rank
         self._lock = threading.Lock()
         self._outgoing: dict[int, _Outgoing] = {}
-        self._known_readers: set[str] = set()
+        self._known_readers: OrderedDict[str, None] = OrderedDict()  # LRU of loaded reader agents
         loop.on_message(ReadDone, self._on_read_done)
         loop.add_ticker(self._tick)
 
@@ -140,6 +143,7 @@ class CacheSender:
     def _reachable(self, reader: str, metadata: bytes) -> bool:
         """A NIXL agent can only notify agents whose metadata it loaded."""
         if reader in self._known_readers:
+            self._known_readers.move_to_end(reader)
             return True
         try:
             loaded = self._loop.agent.load_remote(metadata)
@@ -149,7 +153,13 @@ class CacheSender:
         if loaded != reader:
             log.warning("reader %s sent the metadata of %s; ignored", reader, loaded)
             return False
-        self._known_readers.add(reader)
+        self._known_readers[reader] = None
+        while len(self._known_readers) > MAX_KNOWN_READERS:
+            stale, _ = self._known_readers.popitem(last=False)
+            try:
+                self._loop.agent.forget_remote(stale)
+            except AgentError as exc:
+                log.info("could not forget reader %s: %s", stale, exc)
         return True
 
     def _tick(self, now: float) -> bool:
