@@ -11,7 +11,8 @@ import numpy as np
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind
-from nixl_kv.memory import allocate, array_module, region_of
+from nixl_kv.memory import allocate, region_of
+from nixl_kv.views import gather, scatter
 
 
 @runtime_checkable
@@ -166,42 +167,18 @@ class PagedKVCache:
             del self._requests[request_id]
             self._allocator.free(entry.blocks)
 
-    # --- element access (tests, fill and verify) ---------------------------------------------------------------
+    # --- element access (tests, fill and verify) ---------------------------------------------------
     def read_tokens(self, request_id: int, num_tokens: int) -> Any:
         """The request's first ``num_tokens`` tokens as ``[layer, kv, head, token, dim]`` (a copy)."""
-        return self._gather(self.block_ids(request_id))[..., :num_tokens, :]
+        everything = self._box(request_id)
+        return gather(self.layout, self.pools, *everything)[..., :num_tokens, :]
 
     def write_tokens(self, request_id: int, values: Any) -> None:
         """Write ``[layer, kv, head, token, dim]`` values into the request's first tokens."""
-        blocks = self.block_ids(request_id)
-        full = self._gather(blocks)
+        blocks, layers, heads = self._box(request_id)
+        full = gather(self.layout, self.pools, blocks, layers, heads)
         full[..., : values.shape[3], :] = values
-        self._scatter(blocks, full)
+        scatter(self.layout, self.pools, blocks, layers, heads, full)
 
-    def _gather(self, blocks: np.ndarray) -> Any:
-        xp = array_module(self.memory)
-        L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
-        n = len(blocks)
-        index = xp.asarray(blocks)
-        if self.kind is LayoutKind.BLOCK_MAJOR:
-            data = self.pools[0][index]  # [n, L, K, H, T, D]
-            return xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(L, K, H, n * T, D)
-        order = (2, 0, 1, 3) if self.kind is LayoutKind.PER_LAYER_NHD else (1, 0, 2, 3)
-        stacked = xp.stack([pool[index].transpose(order) for pool in self.pools])  # [L*K, H, n, T, D]
-        return stacked.reshape(L, K, H, n * T, D)
-
-    def _scatter(self, blocks: np.ndarray, full: Any) -> None:
-        xp = array_module(self.memory)
-        L, K, H, T, D = self.num_layers, self.kv_factor, self.num_heads, self.tokens_per_block, self.head_dim
-        n = len(blocks)
-        index = xp.asarray(blocks)
-        split = full.reshape(L, K, H, n, T, D)
-        if self.kind is LayoutKind.BLOCK_MAJOR:
-            self.pools[0][index] = split.transpose(3, 0, 1, 2, 4, 5)
-            return
-        per_pool = split.reshape(L * K, H, n, T, D)
-        for pool, values in zip(self.pools, per_pool, strict=True):
-            if self.kind is LayoutKind.PER_LAYER_NHD:
-                pool[index] = values.transpose(1, 2, 0, 3)  # [n, T, H, D]
-            else:
-                pool[index] = values.transpose(1, 0, 2, 3)  # [n, H, T, D]
+    def _box(self, request_id: int) -> tuple[np.ndarray, range, range]:
+        return self.block_ids(request_id), range(self.num_layers), range(self.num_heads)

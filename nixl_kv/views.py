@@ -1,0 +1,81 @@
+"""Array views of a rank's pools, built from the layout's addresses, and box gather/scatter over them.
+
+A *box* is the product of a layer range, all kv, a head range, a list of blocks and all their tokens. Gather
+returns it as ``[layer, kv, head, token, dim]`` (tokens of the blocks in list order); scatter writes such an
+array back. One vectorised operation per pool: no Python loop per block, token or element.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
+from nixl_kv.memory import array_module
+
+
+def pool_views(layout: KVLayout) -> list[Any]:
+    """One array per pool: ``[block, layer, kv, head, token, dim]`` for BLOCK_MAJOR, ``[block, token, head,
+    dim]`` (NHD) or ``[block, head, token, dim]`` (HND) for the per-layer kinds. The memory is not owned."""
+    L, K, H, T, D = layout.num_layers, layout.kv_factor, layout.num_heads, layout.tokens_per_block, layout.head_dim
+    if layout.kind is LayoutKind.BLOCK_MAJOR:
+        shape = (layout.num_blocks, L, K, H, T, D)
+    elif layout.kind is LayoutKind.PER_LAYER_NHD:
+        shape = (layout.num_blocks, T, H, D)
+    else:
+        shape = (layout.num_blocks, H, T, D)
+    dtype = np.dtype(f"u{layout.itemsize}")
+    return [_wrap(pool, shape, dtype) for pool in layout.pools]
+
+
+def _wrap(region: MemoryRegion, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if region.memory is MemoryKind.VRAM:
+        cupy = array_module(MemoryKind.VRAM)
+        memory = cupy.cuda.UnownedMemory(region.address, nbytes, None, region.device_id)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+    buffer = (ctypes.c_uint8 * nbytes).from_address(region.address)
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def gather(layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range) -> Any:
+    """The box as a new ``[layer, kv, head, token, dim]`` array (layers and heads are local indices)."""
+    xp = array_module(layout.pools[0].memory)
+    index = xp.asarray(blocks)
+    n, T = len(blocks), layout.tokens_per_block
+    hs = slice(heads.start, heads.stop)
+    if layout.kind is LayoutKind.BLOCK_MAJOR:
+        data = views[0][index, layers.start : layers.stop, :, hs]  # [n, l, K, h, T, D]
+        data = data.transpose(1, 2, 3, 0, 4, 5)
+        return xp.ascontiguousarray(data).reshape(len(layers), layout.kv_factor, len(heads), n * T, layout.head_dim)
+    out = xp.empty((len(layers), layout.kv_factor, len(heads), n * T, layout.head_dim), dtype=views[0].dtype)
+    for i, layer in enumerate(layers):
+        for kv in range(layout.kv_factor):
+            pool = views[layer * layout.kv_factor + kv]
+            if layout.kind is LayoutKind.PER_LAYER_NHD:
+                chunk = pool[index, :, hs].transpose(2, 0, 1, 3)  # [n, T, h, D] -> [h, n, T, D]
+            else:
+                chunk = pool[index, hs].transpose(1, 0, 2, 3)  # [n, h, T, D] -> [h, n, T, D]
+            out[i, kv] = chunk.reshape(len(heads), n * T, layout.head_dim)
+    return out
+
+
+def scatter(layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range, values: Any) -> None:
+    """Write a ``[layer, kv, head, token, dim]`` box (whole blocks of tokens) into the pools."""
+    xp = array_module(layout.pools[0].memory)
+    index = xp.asarray(blocks)
+    n, T, D = len(blocks), layout.tokens_per_block, layout.head_dim
+    hs = slice(heads.start, heads.stop)
+    boxed = values.reshape(len(layers), layout.kv_factor, len(heads), n, T, D)
+    if layout.kind is LayoutKind.BLOCK_MAJOR:
+        views[0][index, layers.start : layers.stop, :, hs] = boxed.transpose(3, 0, 1, 2, 4, 5)
+        return
+    for i, layer in enumerate(layers):
+        for kv in range(layout.kv_factor):
+            pool = views[layer * layout.kv_factor + kv]
+            if layout.kind is LayoutKind.PER_LAYER_NHD:
+                pool[index, :, hs] = boxed[i, kv].transpose(1, 2, 0, 3)  # [n, T, h, D]
+            else:
+                pool[index, hs] = boxed[i, kv].transpose(1, 0, 2, 3)  # [n, h, T, D]
