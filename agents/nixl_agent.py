@@ -94,11 +94,37 @@ class NixlAgent(TransferAgent):
             np.ascontiguousarray(remote_indices, dtype=np.int32),
             notification,
         )
+        return self._post(transfer)
+
+    def _post(self, transfer: Any) -> Any:
         self._transfers.add(transfer)
-        if self._call("post READ", self._agent.transfer, transfer) == "ERR":
+        try:
+            state = self._call("post READ", self._agent.transfer, transfer)
+        except AgentError:
+            self.release_transfer(transfer)
+            raise
+        if state == "ERR":
             self.release_transfer(transfer)
             raise AgentError("NIXL refused to post the READ")
         return transfer
+
+    def read_ranges(
+        self,
+        peer: str,
+        local_rows: np.ndarray,
+        local_memory: MemoryKind,
+        remote_rows: np.ndarray,
+        remote_memory: MemoryKind,
+        notification: bytes,
+    ) -> Any:
+        local = self._call("describe local ranges", self._agent.get_xfer_descs, _rows(local_rows), local_memory.value)
+        remote = self._call(
+            "describe remote ranges", self._agent.get_xfer_descs, _rows(remote_rows), remote_memory.value
+        )
+        transfer = self._call(
+            f"create READ from {peer}", self._agent.initialize_xfer, "READ", local, remote, peer, notification
+        )
+        return self._post(transfer)
 
     def status(self, transfer: Any) -> TransferStatus:
         try:
@@ -164,3 +190,7 @@ class NixlAgent(TransferAgent):
             return function(*args)
         except Exception as exc:  # NIXL's binding raises one class per status code
             raise AgentError(f"NIXL could not {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _rows(rows: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3)

@@ -1,17 +1,29 @@
-"""The standard (MHA/GQA) cache formatter.
+"""The standard (MHA/GQA) cache formatter, for any pairing of TP, PP, CP and attention DP.
 
-Direct mode: when both ranks hold the same layers and heads in layouts of the same shape, a block's segments
-(see ``KVLayout``) map one to one, so a request is one READ of the request's segment indices on each side;
-the agent merges indices that are contiguous on both sides into long runs.
+For each ctx peer (``topology.peer_slices``) the gen rank takes the overlap of the two shares. Direct mode
+reads it straight from the ctx pool into the gen pool: both layouts enumerate *units* (a head's tokens of a
+block where heads are inner, a whole (layer, kv) chunk for NHD), both sides list the box's units in the same
+logical order, and NIXL merges entries contiguous on both sides into long runs. Where the runs would be
+shorter than ``DIRECT_MIN_RUN_BYTES``, or where the two layouts order heads and tokens differently, staged
+mode packs the box on the ctx side into a staging slot, reads it as one run and unpacks it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from nixl_kv.errors import IncompatibleStateError, NotSupportedError
-from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest
+from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupportedError
+from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, ReadRequest
+from nixl_kv.layout import KVLayout, LayoutKind
 from nixl_kv.state import AttentionType, CacheState
+from nixl_kv.topology import PeerSlice, Share, head_duplication, peer_slices, position, reader_ranks, share
+from nixl_kv.views import gather, scatter
+
+# Below this many contiguous bytes per run, packing on the ctx side and one long READ beat many short READs.
+# Chosen by measurement (see CHANGELOG / BENCHMARKS): posting a scattered entry costs about 5 us.
+DIRECT_MIN_RUN_BYTES = 4096
 
 
 class StandardFormatter(Formatter):
@@ -19,14 +31,11 @@ class StandardFormatter(Formatter):
         differences = [
             f"{name}: ours {mine!r}, peer {theirs!r}"
             for name, mine, theirs in (
-                ("attention type", self_state.attention_type, peer_state.attention_type),
-                ("dtype", self_state.dtype, peer_state.dtype),
+                ("attention type", self_state.attention_type.value, peer_state.attention_type.value),
+                ("dtype", self_state.dtype.value, peer_state.dtype.value),
                 ("kv_factor", self_state.kv_factor, peer_state.kv_factor),
-                (
-                    "kv heads per layer",
-                    self_state.model.num_kv_heads_per_layer,
-                    peer_state.model.num_kv_heads_per_layer,
-                ),
+                ("layers", self_state.model.num_layers, peer_state.model.num_layers),
+                ("kv heads per layer", _heads(self_state), _heads(peer_state)),
                 ("head_dim", self_state.model.head_dim, peer_state.model.head_dim),
                 ("tokens_per_block", self_state.model.tokens_per_block, peer_state.model.tokens_per_block),
             )
@@ -39,43 +48,144 @@ class StandardFormatter(Formatter):
                 f"the standard formatter does not move {self_state.attention_type.value} caches"
             )
         for side, state in (("gen", self_state), ("ctx", peer_state)):
-            if state.parallel.world_size != 1 or state.parallel.enable_attention_dp:
-                raise NotSupportedError(
-                    f"{side} instance has tp={state.parallel.tp} pp={state.parallel.pp} cp={state.parallel.cp} "
-                    f"dp={int(state.parallel.enable_attention_dp)}: multi-rank instances are not supported yet"
-                )
+            if len(set(state.model.num_kv_heads_per_layer)) != 1:
+                raise NotSupportedError(f"{side}: layers with different kv head counts are not supported")
+            head_duplication(state.parallel, _heads(state))  # raises when heads do not split over TP
 
+    # --- planning (gen side) ---------------------------------------------------------------------------
     def plan(self, request: ReadRequest) -> list[PeerRead]:
-        peer_layout = request.peer_state.comm.ranks[0].layout
-        local_layout = request.self_layout
-        if not local_layout.same_shape(peer_layout):
-            raise NotSupportedError(
-                f"ctx pool layout {peer_layout.kind.value} and gen pool layout {local_layout.kind.value} differ in "
-                "shape: layout conversion is not supported yet"
+        gen, ctx = request.self_state.cache, request.peer_state.cache
+        heads, tokens_per_block = _heads(gen), gen.model.tokens_per_block
+        num_blocks = -(-request.num_tokens // tokens_per_block)
+        if len(request.peer_block_ids) != ctx.parallel.cp:
+            raise IncompatibleStateError(
+                f"params carry block ids for {len(request.peer_block_ids)} ctx CP ranks, ctx has cp={ctx.parallel.cp}"
             )
-        tokens_per_block = local_layout.tokens_per_block
-        needed = -(-request.num_tokens // tokens_per_block)
-        remote_blocks = np.asarray(request.peer_block_ids[0], dtype=np.int64)
+        mine = share(gen.parallel, request.self_rank, heads, num_blocks)
         local_blocks = np.asarray(request.local_block_ids, dtype=np.int64)
-        if len(remote_blocks) != needed:
+        if len(local_blocks) < len(mine.blocks):
             raise IncompatibleStateError(
-                f"ctx sent {len(remote_blocks)} block ids for {request.num_tokens} tokens, expected {needed}"
+                f"gen rank holds {len(local_blocks)} blocks for the request, its share needs {len(mine.blocks)}"
             )
-        if len(local_blocks) < needed:
+        _check_range("gen block id", local_blocks[: len(mine.blocks)], request.self_layout.num_blocks)
+        gen_dp_rank = position(gen.parallel, request.self_rank).tp_rank
+        reads = []
+        for piece in peer_slices(
+            gen.parallel, request.self_rank, ctx.parallel, heads, num_blocks, request.peer_dp_rank
+        ):
+            theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
+            remote_ids = self._peer_blocks(request, piece.peer_rank, theirs)
+            readers = reader_ranks(
+                ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank
+            )
+            reads.append(self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids, len(readers)))
+        return reads
+
+    def _peer_blocks(self, request: ReadRequest, peer_rank: int, theirs: Share) -> np.ndarray:
+        cp_rank = position(request.peer_state.cache.parallel, peer_rank).cp_rank
+        ids = np.asarray(request.peer_block_ids[cp_rank], dtype=np.int64)
+        if len(ids) != len(theirs.blocks):
             raise IncompatibleStateError(
-                f"gen request holds {len(local_blocks)} blocks, {request.num_tokens} tokens need {needed}"
+                f"ctx CP rank {cp_rank} sent {len(ids)} block ids, its share of the request is {len(theirs.blocks)}"
             )
-        _check_range("ctx block id", remote_blocks, peer_layout.num_blocks)
-        _check_range("gen block id", local_blocks[:needed], local_layout.num_blocks)
-        return [
-            PeerRead(
-                peer_rank=0,
-                local_indices=local_layout.segment_indices(local_blocks[:needed]),
-                remote_indices=peer_layout.segment_indices(remote_blocks),
-                nbytes=needed * local_layout.block_bytes,
-                expected_readers=1,
+        _check_range("ctx block id", ids, request.peer_state.comm.ranks[peer_rank].layout.num_blocks)
+        return ids
+
+    def _peer_read(
+        self,
+        request: ReadRequest,
+        piece: PeerSlice,
+        mine: Share,
+        theirs: Share,
+        local_blocks: np.ndarray,
+        remote_blocks: np.ndarray,
+        readers: int,
+    ) -> PeerRead:
+        local_layout = request.self_layout
+        remote_layout = request.peer_state.comm.ranks[piece.peer_rank].layout
+        box = Box(piece.layers, piece.heads, piece.blocks)
+        nbytes = self.box_bytes(request.self_state.cache, box)
+        run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
+        if run >= DIRECT_MIN_RUN_BYTES:
+            local = _local_units(local_layout, box, mine, local_blocks)
+            remote = _local_units(remote_layout, box, theirs, remote_blocks)
+            block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
+            whole_chunks = not local_layout.heads_inner
+            return PeerRead(
+                peer_rank=piece.peer_rank,
+                expected_readers=readers,
+                nbytes=nbytes,
+                local_indices=local_layout.unit_indices(
+                    local.block_ids, local.layers, None if whole_chunks else local.heads, block_first
+                ),
+                remote_indices=remote_layout.unit_indices(
+                    remote.block_ids, remote.layers, None if whole_chunks else remote.heads, block_first
+                ),
             )
+        return PeerRead(piece.peer_rank, readers, nbytes, pieces=self._pieces(request, box))
+
+    def _pieces(self, request: ReadRequest, box: Box) -> tuple[Box, ...]:
+        per_block = self.box_bytes(request.self_state.cache, Box(box.layers, box.heads, range(1)))
+        per_piece = request.stage_bytes // per_block
+        if per_piece < 1:
+            raise BufferExhaustedError(
+                f"one block of the slice ({per_block} bytes) does not fit a {request.stage_bytes}-byte staging slot; "
+                "raise max_tokens_in_buffer"
+            )
+        starts = range(box.blocks.start, box.blocks.stop, per_piece)
+        return tuple(Box(box.layers, box.heads, range(s, min(s + per_piece, box.blocks.stop))) for s in starts)
+
+    # --- staging (both sides) ------------------------------------------------------------------------------
+    def localize(self, state: CacheState, rank: int, box: Box, num_blocks: int, block_ids: np.ndarray) -> LocalBox:
+        held = share(state.parallel, rank, _heads(state), num_blocks)
+        inside = all(
+            outer.start <= inner.start and inner.stop <= outer.stop and len(inner)
+            for inner, outer in ((box.layers, held.layers), (box.heads, held.heads), (box.blocks, held.blocks))
+        )
+        if not inside:
+            raise IncompatibleStateError(f"box {box} is not inside rank {rank}'s share {held}")
+        ids = np.asarray(block_ids, dtype=np.int64)[
+            box.blocks.start - held.blocks.start : box.blocks.stop - held.blocks.start
         ]
+        return LocalBox(ids, _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+
+    def box_bytes(self, state: CacheState, box: Box) -> int:
+        per_token = len(box.layers) * state.kv_factor * len(box.heads) * state.model.head_dim * state.dtype.itemsize
+        return per_token * len(box.blocks) * state.model.tokens_per_block
+
+    def pack(self, layout: KVLayout, views: list[Any], box: LocalBox, out: Any) -> int:
+        values = gather(layout, views, box.block_ids, box.layers, box.heads)
+        flat = values.reshape(-1).view(out.dtype)
+        out[: flat.size] = flat
+        return int(flat.size)
+
+    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
+        count = len(box.layers) * layout.kv_factor * len(box.heads) * len(box.block_ids) * layout.tokens_per_block
+        values = data[: count * layout.head_dim * layout.itemsize].view(views[0].dtype)
+        scatter(layout, views, box.block_ids, box.layers, box.heads, values)
+
+
+def _heads(state: CacheState) -> int:
+    return state.model.num_kv_heads_per_layer[0]
+
+
+def _shift(values: range, start: int) -> range:
+    return range(values.start - start, values.stop - start)
+
+
+def _local_units(layout: KVLayout, box: Box, held: Share, block_ids: np.ndarray) -> LocalBox:
+    positions = np.arange(box.blocks.start - held.blocks.start, box.blocks.stop - held.blocks.start)
+    return LocalBox(block_ids[positions], _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+
+
+def _direct_run_bytes(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine: Share, theirs: Share) -> int:
+    """The shortest contiguous run a direct read of this slice would post (0 when it cannot be direct)."""
+    if local.heads_inner != remote.heads_inner:
+        return 0
+    all_heads = len(piece.heads) == len(mine.heads) == len(theirs.heads)
+    if not local.heads_inner:
+        return local.chunk_bytes if all_heads else 0
+    return local.chunk_bytes if all_heads else len(piece.heads) * local.unit_bytes
 
 
 def _check_range(what: str, blocks: np.ndarray, num_blocks: int) -> None:

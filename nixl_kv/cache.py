@@ -49,6 +49,8 @@ class BlockAllocator:
         return self._free_count
 
     def allocate(self, count: int) -> np.ndarray:
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} blocks")
         if count > self._free_count:
             raise BufferExhaustedError(f"need {count} blocks, {self._free_count} of {self.num_blocks} are free")
         start = self._free_count - count
@@ -126,6 +128,8 @@ class PagedKVCache:
         return -(-num_tokens // self.tokens_per_block)
 
     def allocate(self, request_id: int, num_tokens: int) -> np.ndarray:
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id}: num_tokens must be at least 1, got {num_tokens}")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id} already holds blocks")
@@ -159,6 +163,8 @@ class PagedKVCache:
     def unpin(self, request_id: int) -> None:
         with self._lock:
             entry = self._requests[request_id]
+            if entry.pins < 1:
+                raise ValueError(f"request {request_id} is not pinned")
             entry.pins -= 1
             self._release_if_done(request_id, entry)
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class CacheTransceiverConfig:
     """
     backend: transfer agent name in the registry (NIXL).
-    max_tokens_in_buffer: tokens one staging slot holds (staged transfers).
+    max_tokens_in_buffer: tokens of this rank's share one staging slot holds (staged transfers).
+    num_staging_slots: staging slots per rank (staged transfers in flight at once).
     kv_transfer_timeout_ms: deadline of a transfer from its start; None means the lease bounds it.
     kv_transfer_sender_future_timeout_ms: how long a ctx status check waits on one transfer when asked for progress.
     kv_transfer_poll_interval_ms: how long a gen status check waits for progress.
@@ -18,6 +19,7 @@ class CacheTransceiverConfig:
 
     backend: str = "NIXL"
     max_tokens_in_buffer: int = 8192
+    num_staging_slots: int = 4
     kv_transfer_timeout_ms: int | None = None
     kv_transfer_sender_future_timeout_ms: int | None = None
     kv_transfer_poll_interval_ms: int | None = None

@@ -45,16 +45,23 @@ def expected(request_seed: int, where: Slice, itemsize: int, xp: ModuleType = np
 
 
 def _fill_layer(out: Any, request_seed: int, layer: int, where: Slice, xp: ModuleType) -> None:
-    """One layer: a strong hash per (kv, head, token) row XOR a strong hash per dim (one full-size pass)."""
+    """One layer: ``a ^ (b * (2 * dim + 1))`` in the element width, with (a, b) a strong hash of the row.
+
+    ``b`` is odd, so within a row distinct dims (below half the width's range) always differ; two rows agree
+    only if both of their hash halves agree. Two full-size passes, whatever the element width.
+    """
     u64 = np.uint64
     base = u64((request_seed * 0x2545F4914F6CDD1D + layer * _SPREAD[0]) % (1 << 64))
     kv = xp.arange(where.kv_factor, dtype=u64).reshape(-1, 1, 1) * u64(_SPREAD[1])
     head = xp.arange(where.head_start, where.head_start + where.num_heads, dtype=u64).reshape(1, -1, 1)
     token = xp.arange(where.token_start, where.token_start + where.num_tokens, dtype=u64).reshape(1, 1, -1)
     rows = _mix(kv + head * u64(_SPREAD[2]) + token * u64(_SPREAD[3]) + base)
-    dims = _mix(xp.arange(where.head_dim, dtype=u64) * u64(_SPREAD[4]) + u64(_SPREAD[0]))
-    narrow = out.dtype  # truncating to the element width keeps the low bytes of each hash
-    xp.bitwise_xor(rows.astype(narrow)[..., None], dims.astype(narrow), out=out)
+    narrow = out.dtype  # truncating to the element width keeps the low bytes
+    low = rows.astype(narrow)[..., None]
+    odd = ((rows >> u64(32)) | u64(1)).astype(narrow)[..., None]
+    dims = (xp.arange(where.head_dim, dtype=u64) * u64(2) + u64(1)).astype(narrow)
+    xp.multiply(odd, dims, out=out)
+    xp.bitwise_xor(out, low, out=out)
 
 
 def _mix(x: Any) -> Any:

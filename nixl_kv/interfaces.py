@@ -69,6 +69,18 @@ class TransferAgent(ABC):
         """Post a READ of remote entries into local entries; the peer gets ``notification`` when it is done."""
 
     @abstractmethod
+    def read_ranges(
+        self,
+        peer: str,
+        local_rows: np.ndarray,
+        local_memory: MemoryKind,
+        remote_rows: np.ndarray,
+        remote_memory: MemoryKind,
+        notification: bytes,
+    ) -> Any:
+        """Post a READ of Nx3 (address, length, device) remote rows into local rows, without prepared lists."""
+
+    @abstractmethod
     def status(self, transfer: Any) -> TransferStatus: ...
 
     @abstractmethod
@@ -87,14 +99,42 @@ class TransferAgent(ABC):
 
 
 @dataclass(frozen=True)
+class Box:
+    """A slice of one request's KV in global coordinates: layers, kv heads, block positions in the request."""
+
+    layers: range
+    heads: range
+    blocks: range
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """A box in one rank's own terms: its block ids and its local layer and head indices."""
+
+    block_ids: np.ndarray
+    layers: range
+    heads: range
+
+
+@dataclass(frozen=True)
 class PeerRead:
-    """One READ from one ctx rank: which remote descriptor entries land in which local ones."""
+    """What one gen rank takes from one ctx rank.
+
+    Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
+    Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
+    ``expected_readers`` is how many gen ranks read this request from that ctx rank.
+    """
 
     peer_rank: int
-    local_indices: np.ndarray
-    remote_indices: np.ndarray
-    nbytes: int
     expected_readers: int
+    nbytes: int
+    local_indices: np.ndarray | None = None
+    remote_indices: np.ndarray | None = None
+    pieces: tuple[Box, ...] = ()
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.pieces)
 
 
 @dataclass(frozen=True)
@@ -108,10 +148,12 @@ class ReadRequest:
     peer_block_ids: tuple[tuple[int, ...], ...]
     local_block_ids: np.ndarray
     num_tokens: int
+    peer_dp_rank: int = 0
+    stage_bytes: int = 0  # the largest piece both sides' staging slots hold
 
 
 class Formatter(ABC):
-    """Decides which ctx ranks a gen rank reads from and which bytes land where."""
+    """Decides which ctx ranks a gen rank reads from, which bytes land where, and packs what must be staged."""
 
     @abstractmethod
     def inquire_support(self, self_state: CacheState, peer_state: CacheState) -> None:
@@ -119,3 +161,18 @@ class Formatter(ABC):
 
     @abstractmethod
     def plan(self, request: ReadRequest) -> list[PeerRead]: ...
+
+    @abstractmethod
+    def localize(self, state: CacheState, rank: int, box: Box, num_blocks: int, block_ids: np.ndarray) -> LocalBox:
+        """Translate a global box into ``rank``'s own block ids and local layer/head indices."""
+
+    @abstractmethod
+    def box_bytes(self, state: CacheState, box: Box) -> int: ...
+
+    @abstractmethod
+    def pack(self, layout: KVLayout, views: list[Any], box: LocalBox, out: Any) -> int:
+        """Copy the box into the flat byte array ``out`` (one vectorised pass); returns the bytes written."""
+
+    @abstractmethod
+    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
+        """Write packed bytes (as produced by the peer's ``pack``) into the local pools."""

@@ -111,6 +111,45 @@ class KVLayout:
         pools = np.arange(self.num_pools, dtype=np.int64)[:, None] * self.num_blocks
         return (pools + blocks[None, :]).reshape(-1).astype(np.int32)
 
+    @property
+    def heads_inner(self) -> bool:
+        """True when each head's tokens are contiguous (``[.., head, token, dim]``): head ranges read directly."""
+        return self.kind is not LayoutKind.PER_LAYER_NHD
+
+    @property
+    def unit_bytes(self) -> int:
+        """The direct-read unit: one head's tokens of a block when heads are inner, else a whole chunk."""
+        per_head = self.tokens_per_block * self.head_dim * self.itemsize
+        return per_head if self.heads_inner else self.chunk_bytes
+
+    def unit_descriptors(self) -> np.ndarray:
+        """Strided NIXL rows, one per pool, enumerating every direct-read unit in memory order."""
+        units_per_pool = self.pool_bytes // self.unit_bytes
+        rows = [(pool.address, self.unit_bytes, pool.device_id, self.unit_bytes, units_per_pool) for pool in self.pools]
+        return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+    def unit_indices(self, blocks: np.ndarray, layers: range, heads: range | None, block_first: bool) -> np.ndarray:
+        """Descriptor indices of the units of a box, in the logical order (block, layer, kv, head) when
+        ``block_first`` else (layer, kv, block, head). ``layers`` and ``heads`` are local; ``heads`` is None for
+        whole chunks (NHD). Both sides of a read use the same logical order, so entry i matches entry i."""
+        b = np.asarray(blocks, dtype=np.int64)
+        l_ = np.arange(layers.start, layers.stop, dtype=np.int64)
+        k = np.arange(self.kv_factor, dtype=np.int64)
+        h = np.arange(heads.start, heads.stop, dtype=np.int64) if heads is not None else np.zeros(1, np.int64)
+        axes = ("b", "l", "k", "h") if block_first else ("l", "k", "b", "h")
+        grid = {
+            name: values.reshape([-1 if axis == name else 1 for axis in axes])
+            for name, values in (("b", b), ("l", l_), ("k", k), ("h", h))
+        }
+        L, K, H, NB = self.num_layers, self.kv_factor, self.num_heads, self.num_blocks
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            index = ((grid["b"] * L + grid["l"]) * K + grid["k"]) * H + grid["h"]
+        elif self.kind is LayoutKind.PER_LAYER_HND:
+            index = ((grid["l"] * K + grid["k"]) * NB + grid["b"]) * H + grid["h"]
+        else:
+            index = (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
+        return np.ascontiguousarray(index, dtype=np.int32).reshape(-1)
+
     def same_shape(self, other: KVLayout) -> bool:
         """True when a segment of one layout holds exactly the bytes of the same segment of the other."""
         return (

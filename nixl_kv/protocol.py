@@ -1,16 +1,19 @@
 """Control messages between a gen reader and a ctx rank, carried as NIXL notifications (DESIGN §5).
 
-A gen rank's READ carries ``ReadDone`` as its completion notification, so the ctx rank learns the read has
-finished; the ctx rank answers with ``ReadVerdict``: ok only if the request's blocks were still pinned then.
-A gen rank whose READ failed sends ``ReadDone(failed=True)`` on its own so the ctx rank need not wait for
-its lease to run out.
+Direct mode: the gen rank's READ carries ``ReadDone`` as its completion notification, so the ctx rank learns
+the read has finished, and answers ``ReadVerdict``: ok only if the request's blocks were still pinned then.
+Staged mode: the gen rank sends ``StageClaim`` for a box; the ctx rank packs it into a staging slot and
+answers ``StageGrant`` (or a refusal, possibly worth retrying); the gen rank READs the slot with ``ReadDone``
+as notification, and the ctx rank frees the slot and answers ``ReadVerdict``. ``final`` marks a reader's last
+READ of the request: the ctx rank counts readers, not READs. A gen rank whose READ failed sends
+``ReadDone(failed=True)`` so the ctx rank need not wait for its lease to run out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nixl_kv.state import MAX_RANKS, bounds
+from nixl_kv.state import MAX_BLOCKS, MAX_HEADS, MAX_LAYERS, MAX_RANKS, bounds
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class ReadDone:
     transfer_id: int
     reader_metadata: bytes
     expected_readers: int = field(metadata=bounds(1, MAX_RANKS))
+    final: bool = True
     failed: bool = False
     reason: str = ""
 
@@ -30,4 +34,38 @@ class ReadVerdict:
     request_id: int
     transfer_id: int
     ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StageClaim:
+    """Ask a ctx rank to pack a box (global coordinates, half-open ranges) of a request into a staging slot."""
+
+    ctx_instance_id: str
+    request_id: int
+    transfer_id: int
+    reader_metadata: bytes
+    num_blocks: int = field(metadata=bounds(1, MAX_BLOCKS))
+    layers: tuple[int, ...] = field(metadata=bounds(0, MAX_LAYERS, max_items=2))
+    heads: tuple[int, ...] = field(metadata=bounds(0, MAX_HEADS, max_items=2))
+    blocks: tuple[int, ...] = field(metadata=bounds(0, MAX_BLOCKS, max_items=2))
+
+    def problems(self) -> list[str]:
+        ranges = (self.layers, self.heads, self.blocks)
+        if any(len(pair) != 2 or pair[0] >= pair[1] for pair in ranges):
+            return ["layers, heads and blocks are non-empty [start, stop) pairs"]
+        return []
+
+
+@dataclass(frozen=True)
+class StageGrant:
+    """The packed box is in the ctx rank's staging memory at ``address`` (``nbytes``), or it was refused."""
+
+    ctx_instance_id: str
+    request_id: int
+    transfer_id: int
+    ok: bool
+    address: int = 0
+    nbytes: int = 0
+    retry: bool = False
     reason: str = ""

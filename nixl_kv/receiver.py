@@ -1,9 +1,9 @@
-"""CacheReceiver: the gen side. Checks the ctx state, plans, READs from each ctx peer, waits for the verdict.
+"""CacheReceiver: the gen side. Checks the ctx state, plans, pulls from each ctx peer, waits for the verdicts.
 
 A request completes only when every READ finished and every ctx peer confirmed the blocks were still pinned
 when the read finished (DESIGN §5.6). It fails, always within its deadline, when a check refuses the pairing,
 a READ fails, a peer refuses, or the deadline passes; an in-flight READ is cancelled then, and if the agent
-cannot cancel it the destination blocks are reported poisoned.
+cannot cancel it the destination (pool blocks or staging slot) is reported poisoned.
 """
 
 from __future__ import annotations
@@ -20,27 +20,44 @@ from typing import Any
 import numpy as np
 
 from nixl_kv import wire
+from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
-from nixl_kv.errors import AgentError, NixlKvError, TransferError
+from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import ReadDone, ReadVerdict
+from nixl_kv.protocol import ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
+from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
 
 RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
+CLAIM_RETRY_S = 1e-3
 
 
 @dataclass
-class _Read:
+class _Transfer:
+    """One READ (direct, or of one staged piece) and the ctx peer's answers about it."""
+
     transfer_id: int
-    peer: str
-    handle: Any
-    expected_readers: int
+    handle: Any = None
+    grant: StageGrant | None = None
     finished: bool = False
     verdict: str | None = None  # None until the ctx peer answers; "" means ok
+
+
+@dataclass
+class _PeerPull:
+    """Everything this gen rank takes from one ctx rank, advanced step by step by the progress loop."""
+
+    plan: PeerRead
+    rank: RankCommInfo
+    next_piece: int = 0
+    current: _Transfer | None = None
+    slot: StagingSlot | None = None
+    retry_at: float = 0.0
+    done: bool = False
 
 
 @dataclass
@@ -48,10 +65,11 @@ class _Incoming:
     key: RequestKey
     request: TransferRequest
     ctx_state: DataTransceiverState
-    plan: list[PeerRead]
+    num_blocks: int
     deadline: float
     future: Future
-    reads: list[_Read] = field(default_factory=list)
+    peers: list[_PeerPull] = field(default_factory=list)
+    started: bool = False
 
 
 class CacheReceiver:
@@ -62,6 +80,7 @@ class CacheReceiver:
         self_state: DataTransceiverState,
         self_rank: int,
         formatter: Formatter,
+        staging: CacheTransBufferManager,
         timeout_ms: int | None,
         max_peers: int = 256,
     ) -> None:
@@ -70,12 +89,14 @@ class CacheReceiver:
         self._self_state = self_state
         self._self_rank = self_rank
         self._formatter = formatter
+        self._staging = staging
         self._timeout_ms = timeout_ms
         self._max_peers = max_peers
+        self._views = pool_views(cache.layout)
         self._lock = threading.Lock()
         self._active: dict[RequestKey, _Incoming] = {}
         self._by_request: dict[int, RequestKey] = {}
-        self._by_transfer: dict[int, tuple[_Incoming, _Read]] = {}
+        self._by_transfer: dict[int, tuple[_Incoming, _PeerPull]] = {}
         self._transfer_ids = itertools.count(1)
         self._states: OrderedDict[bytes, DataTransceiverState] = OrderedDict()
         self._peers: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
@@ -83,12 +104,10 @@ class CacheReceiver:
         self.poisoned: dict[RequestKey, str] = {}
         layout = cache.layout
         self._metadata, self._local = loop.call(
-            lambda: (
-                loop.agent.metadata(),
-                loop.agent.prepare(None, layout.strided_descriptors(), layout.pools[0].memory),
-            )
+            lambda: (loop.agent.metadata(), loop.agent.prepare(None, layout.unit_descriptors(), layout.pools[0].memory))
         )
         loop.on_message(ReadVerdict, self._on_verdict)
+        loop.on_message(StageGrant, self._on_grant)
         loop.add_ticker(self._tick)
 
     def receive_async(self, request: TransferRequest) -> Future:
@@ -96,12 +115,10 @@ class CacheReceiver:
         future: Future = Future()
         request.transfer_start = time.monotonic()
         try:
-            incoming = self._prepare(request, future)
+            self._prepare(request, future)
         except NixlKvError as exc:
             request.transfer_end = time.monotonic()
             future.set_exception(exc)
-            return future
-        self._loop.submit(lambda: self._start(incoming))
         return future
 
     def cancel(self, request_id: int) -> bool:
@@ -114,12 +131,14 @@ class CacheReceiver:
             return len(self._active)
 
     # --- caller thread: decode, check, plan -------------------------------------------------------------
-    def _prepare(self, request: TransferRequest, future: Future) -> _Incoming:
+    def _prepare(self, request: TransferRequest, future: Future) -> None:
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state = self._decode_state(params.ctx_state)
         self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
+        if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
+            raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
         plan = self._formatter.plan(
             ReadRequest(
                 self_state=self._self_state,
@@ -129,6 +148,8 @@ class CacheReceiver:
                 peer_block_ids=params.block_ids,
                 local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
                 num_tokens=params.num_tokens,
+                peer_dp_rank=params.ctx_dp_rank,
+                stage_bytes=self._stage_bytes(ctx_state),
             )
         )
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
@@ -136,13 +157,18 @@ class CacheReceiver:
         request.transfer_bytes = sum(read.nbytes for read in plan)
         budget_ms = params.lease_ms if self._timeout_ms is None else min(self._timeout_ms, params.lease_ms)
         key = (ctx_state.instance_id, params.request_id)
-        incoming = _Incoming(key, request, ctx_state, plan, request.transfer_start + budget_ms / 1000, future)
+        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
+        incoming = _Incoming(key, request, ctx_state, num_blocks, request.transfer_start + budget_ms / 1000, future)
+        incoming.peers = [_PeerPull(read, ctx_state.comm.ranks[read.peer_rank]) for read in plan]
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
                 raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
             self._active[key] = incoming
             self._by_request[request.request_id] = key
-        return incoming
+
+    def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
+        ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
+        return min([self._staging.slot_bytes, *ctx_slots]) if ctx_slots else 0
 
     def _decode_state(self, data: bytes) -> DataTransceiverState:
         with self._lock:
@@ -156,44 +182,165 @@ class CacheReceiver:
         return state
 
     # --- progress loop ----------------------------------------------------------------------------------
-    def _start(self, incoming: _Incoming) -> None:
-        if incoming.future.done():  # cancelled before it started
+    def _tick(self, now: float) -> bool:
+        with self._lock:
+            active = list(self._active.values())
+        for incoming in active:
+            try:
+                self._advance(incoming, now)
+            except NixlKvError as exc:
+                self._fail(incoming, str(exc))
+        return bool(active)
+
+    def _advance(self, incoming: _Incoming, now: float) -> None:
+        for peer in incoming.peers:
+            if not peer.done:
+                self._advance_peer(incoming, peer, now)
+                if incoming.future.done():
+                    return
+        if all(peer.done for peer in incoming.peers):
+            self._end(incoming, None)
+        elif now > incoming.deadline:
+            waiting = [f"{p.rank.agent_name} ({self._peer_step(p)})" for p in incoming.peers if not p.done]
+            self._fail(incoming, f"deadline passed waiting for {', '.join(waiting)}")
+
+    @staticmethod
+    def _peer_step(peer: _PeerPull) -> str:
+        current = peer.current
+        if current is None:
+            return "not started"
+        if peer.plan.staged and current.grant is None:
+            return "waiting for a stage grant"
+        return "READ in flight" if not current.finished else "waiting for the ctx confirmation"
+
+    def _advance_peer(self, incoming: _Incoming, peer: _PeerPull, now: float) -> None:
+        current = peer.current
+        if current is None:
+            if now >= peer.retry_at:
+                self._begin(incoming, peer)
             return
-        try:
-            for read in incoming.plan:
-                rank = incoming.ctx_state.comm.ranks[read.peer_rank]
-                remote = self._remote_descriptors(rank)
-                transfer_id = next(self._transfer_ids)
-                done = ReadDone(
-                    ctx_instance_id=incoming.ctx_state.instance_id,
-                    request_id=incoming.key[1],
-                    transfer_id=transfer_id,
-                    reader_metadata=self._metadata,
-                    expected_readers=read.expected_readers,
-                )
-                handle = self._loop.agent.read(
-                    self._local, read.local_indices, remote, read.remote_indices, wire.encode(done)
-                )
-                entry = _Read(transfer_id, rank.agent_name, handle, read.expected_readers)
-                incoming.reads.append(entry)
-                self._by_transfer[transfer_id] = (incoming, entry)
-        except NixlKvError as exc:
-            self._fail(incoming, f"could not start the READs: {exc}")
+        if peer.plan.staged and current.handle is None and not current.finished:
+            self._on_granted(incoming, peer, current, now)
+            return
+        if not current.finished:
+            status = self._loop.agent.status(current.handle)
+            if status is TransferStatus.FAILED:
+                raise TransferError(f"READ from {peer.rank.agent_name} failed")
+            if status is TransferStatus.IN_PROGRESS:
+                return
+            current.finished = True
+            self._loop.agent.release_transfer(current.handle)
+            current.handle = None
+            if peer.plan.staged:
+                self._unpack(incoming, peer)
+        if current.verdict is None:
+            return
+        if current.verdict:
+            raise TransferError(f"ctx side refused: {peer.rank.agent_name}: {current.verdict}")
+        self._by_transfer.pop(current.transfer_id, None)
+        peer.current = None
+        peer.next_piece += 1
+        peer.done = not peer.plan.staged or peer.next_piece == len(peer.plan.pieces)
+
+    def _begin(self, incoming: _Incoming, peer: _PeerPull) -> None:
+        """Post the direct READ, or claim the next staged piece."""
+        transfer = _Transfer(next(self._transfer_ids))
+        if not peer.plan.staged:
+            remote = self._remote_descriptors(peer.rank)
+            notification = self._read_done(incoming, peer, transfer, final=True)
+            transfer.handle = self._loop.agent.read(
+                self._local, peer.plan.local_indices, remote, peer.plan.remote_indices, notification
+            )
+        else:
+            if peer.slot is None:
+                try:
+                    peer.slot = self._staging.acquire(incoming.key, incoming.deadline - time.monotonic(), 1)
+                except BufferExhaustedError:
+                    peer.retry_at = time.monotonic() + CLAIM_RETRY_S
+                    return
+            self._connect(peer.rank)
+            box = peer.plan.pieces[peer.next_piece]
+            claim = StageClaim(
+                ctx_instance_id=incoming.key[0],
+                request_id=incoming.key[1],
+                transfer_id=transfer.transfer_id,
+                reader_metadata=self._metadata,
+                num_blocks=incoming.num_blocks,
+                layers=(box.layers.start, box.layers.stop),
+                heads=(box.heads.start, box.heads.stop),
+                blocks=(box.blocks.start, box.blocks.stop),
+            )
+            self._loop.agent.notify(peer.rank.agent_name, wire.encode(claim))
+        peer.current = transfer
+        self._by_transfer[transfer.transfer_id] = (incoming, peer)
+
+    def _on_granted(self, incoming: _Incoming, peer: _PeerPull, current: _Transfer, now: float) -> None:
+        grant = current.grant
+        if grant is None:
+            return
+        if not grant.ok:
+            if not grant.retry:
+                raise TransferError(f"ctx side refused to stage: {peer.rank.agent_name}: {grant.reason}")
+            self._by_transfer.pop(current.transfer_id, None)
+            peer.current, peer.retry_at = None, now + CLAIM_RETRY_S
+            return
+        staging = peer.rank.staging
+        if staging is None or not (
+            staging.address <= grant.address and grant.address + grant.nbytes <= staging.address + staging.nbytes
+        ):
+            raise TransferError(f"{peer.rank.agent_name} granted memory outside its staging buffer")
+        if grant.nbytes > peer.slot.region.nbytes:
+            raise TransferError(f"{peer.rank.agent_name} granted {grant.nbytes} bytes, the local slot holds less")
+        last = peer.next_piece == len(peer.plan.pieces) - 1
+        notification = self._read_done(incoming, peer, current, final=last)
+        slot = peer.slot.region
+        current.handle = self._loop.agent.read_ranges(
+            peer.rank.agent_name,
+            np.array([[slot.address, grant.nbytes, slot.device_id]], dtype=np.uint64),
+            slot.memory,
+            np.array([[grant.address, grant.nbytes, staging.device_id]], dtype=np.uint64),
+            staging.memory,
+            notification,
+        )
+
+    def _unpack(self, incoming: _Incoming, peer: _PeerPull) -> None:
+        box = peer.plan.pieces[peer.next_piece]
+        blocks = np.asarray(self._cache.block_ids(incoming.request.request_id))
+        local = self._formatter.localize(self._self_state.cache, self._self_rank, box, incoming.num_blocks, blocks)
+        self._formatter.unpack(self._cache.layout, self._views, local, peer.slot.array)
+        self._staging.release(peer.slot)
+        peer.slot = None
+
+    def _read_done(self, incoming: _Incoming, peer: _PeerPull, transfer: _Transfer, final: bool) -> bytes:
+        return wire.encode(
+            ReadDone(
+                ctx_instance_id=incoming.key[0],
+                request_id=incoming.key[1],
+                transfer_id=transfer.transfer_id,
+                reader_metadata=self._metadata,
+                expected_readers=peer.plan.expected_readers,
+                final=final,
+            )
+        )
+
+    def _connect(self, rank: RankCommInfo) -> None:
+        if rank.agent_name in self._loaded_agents:
+            return
+        loaded = self._loop.agent.load_remote(rank.agent_metadata)
+        if loaded != rank.agent_name:
+            self._loop.agent.forget_remote(loaded)
+            raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
+        self._loaded_agents.add(loaded)
 
     def _remote_descriptors(self, rank: RankCommInfo) -> Any:
         """Load a ctx rank's metadata and prepare its pool descriptors, once per peer (LRU-bounded)."""
-        rows = rank.layout.strided_descriptors()
+        rows = rank.layout.unit_descriptors()
         key = (rank.agent_name, rows.tobytes())
         prepared = self._peers.get(key)
         if prepared is not None:
             self._peers.move_to_end(key)
             return prepared
-        if rank.agent_name not in self._loaded_agents:
-            loaded = self._loop.agent.load_remote(rank.agent_metadata)
-            if loaded != rank.agent_name:
-                self._loop.agent.forget_remote(loaded)
-                raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
-            self._loaded_agents.add(loaded)
+        self._connect(rank)
         prepared = self._loop.agent.prepare(rank.agent_name, rows, rank.layout.pools[0].memory)
         self._peers[key] = prepared
         while len(self._peers) > self._max_peers:
@@ -205,50 +352,24 @@ class CacheReceiver:
         return prepared
 
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
-        found = self._by_transfer.get(verdict.transfer_id)
+        transfer = self._owned_transfer(sender, verdict.transfer_id, verdict.request_id)
+        if transfer is not None:
+            transfer.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
+
+    def _on_grant(self, sender: str, grant: StageGrant) -> None:
+        transfer = self._owned_transfer(sender, grant.transfer_id, grant.request_id)
+        if transfer is not None:
+            transfer.grant = grant
+
+    def _owned_transfer(self, sender: str, transfer_id: int, request_id: int) -> _Transfer | None:
+        found = self._by_transfer.get(transfer_id)
         if found is None:
-            return  # the request already ended
-        incoming, read = found
-        if sender != read.peer or verdict.request_id != incoming.key[1]:
-            log.warning("ignored a verdict from %s for transfer %d it does not own", sender, verdict.transfer_id)
-            return
-        read.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
-
-    def _tick(self, now: float) -> bool:
-        with self._lock:
-            active = list(self._active.values())
-        for incoming in active:
-            self._advance(incoming, now)
-        return bool(active)
-
-    def _advance(self, incoming: _Incoming, now: float) -> None:
-        if not incoming.reads:
-            if now > incoming.deadline:
-                self._fail(incoming, "deadline passed before the READs started")
-            return
-        for read in incoming.reads:
-            if read.finished:
-                continue
-            status = self._loop.agent.status(read.handle)
-            if status is TransferStatus.FAILED:
-                self._fail(incoming, f"READ from {read.peer} failed")
-                return
-            if status is TransferStatus.DONE:
-                read.finished = True
-                self._loop.agent.release_transfer(read.handle)
-                read.handle = None
-        refusals = [f"{r.peer}: {r.verdict}" for r in incoming.reads if r.verdict]
-        if refusals:
-            self._fail(incoming, "ctx side refused: " + "; ".join(refusals))
-        elif all(r.finished and r.verdict == "" for r in incoming.reads):
-            self._end(incoming, None)
-        elif now > incoming.deadline:
-            waiting = sum(not r.finished for r in incoming.reads)
-            unanswered = sum(r.verdict is None for r in incoming.reads)
-            self._fail(
-                incoming,
-                f"deadline passed with {waiting} READ(s) unfinished and {unanswered} ctx confirmation(s) missing",
-            )
+            return None  # the request already ended
+        incoming, peer = found
+        if sender != peer.rank.agent_name or request_id != incoming.key[1] or peer.current is None:
+            log.warning("ignored an answer from %s for transfer %d it does not own", sender, transfer_id)
+            return None
+        return peer.current
 
     def _cancel(self, request_id: int) -> bool:
         with self._lock:
@@ -261,35 +382,45 @@ class CacheReceiver:
 
     def _fail(self, incoming: _Incoming, reason: str) -> None:
         """End a request in error: cancel READs still in flight and tell the ctx peers not to wait."""
-        for read in incoming.reads:
-            if read.handle is not None and not read.finished:
-                if not self._loop.agent.release_transfer(read.handle):
-                    self.poisoned[incoming.key] = f"READ from {read.peer} could not be cancelled ({reason})"
-                read.handle = None
-                self._tell_ctx_failed(incoming, read, reason)
+        for peer in incoming.peers:
+            current = peer.current
+            if current is not None and current.handle is not None:
+                if not self._loop.agent.release_transfer(current.handle):
+                    self.poisoned[incoming.key] = f"READ from {peer.rank.agent_name} could not be cancelled ({reason})"
+                    if peer.slot is not None:
+                        self._staging.poison(peer.slot, reason)
+                        peer.slot = None
+                current.handle = None
+            if peer.slot is not None:
+                self._staging.release(peer.slot)
+                peer.slot = None
+            if not peer.done and (current is not None or peer.next_piece > 0):
+                self._tell_ctx_failed(incoming, peer, current, reason)
         self._end(incoming, reason)
 
-    def _tell_ctx_failed(self, incoming: _Incoming, read: _Read, reason: str) -> None:
+    def _tell_ctx_failed(self, incoming: _Incoming, peer: _PeerPull, current: _Transfer | None, reason: str) -> None:
         message = ReadDone(
-            ctx_instance_id=incoming.ctx_state.instance_id,
+            ctx_instance_id=incoming.key[0],
             request_id=incoming.key[1],
-            transfer_id=read.transfer_id,
+            transfer_id=current.transfer_id if current is not None else 0,
             reader_metadata=self._metadata,
-            expected_readers=read.expected_readers,
+            expected_readers=peer.plan.expected_readers,
+            final=True,
             failed=True,
             reason=reason[:512],
         )
         try:
-            self._loop.agent.notify(read.peer, wire.encode(message))
+            self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
         except AgentError as exc:
-            log.info("could not tell %s that request %s failed: %s", read.peer, incoming.key, exc)
+            log.info("could not tell %s that request %s failed: %s", peer.rank.agent_name, incoming.key, exc)
 
     def _end(self, incoming: _Incoming, failure: str | None) -> None:
         with self._lock:
             self._active.pop(incoming.key, None)
             self._by_request.pop(incoming.request.request_id, None)
-        for read in incoming.reads:
-            self._by_transfer.pop(read.transfer_id, None)
+        for peer in incoming.peers:
+            if peer.current is not None:
+                self._by_transfer.pop(peer.current.transfer_id, None)
         incoming.request.transfer_end = time.monotonic()
         if failure is None:
             incoming.future.set_result(None)

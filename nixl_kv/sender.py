@@ -1,8 +1,10 @@
-"""CacheSender: the ctx side. Pins a request's blocks, answers its readers, releases at the end (DESIGN §5).
+"""CacheSender: the ctx side. Pins a request's blocks, serves its readers, releases at the end (DESIGN §5).
 
-A request is done when every expected reader reported its READ finished (``ReadDone``); each report gets a
-``ReadVerdict`` that is ok only while the blocks are still pinned. When the lease runs out first, the blocks
-are released and the request fails; a reader that reports later gets a refusal, never a false ok.
+A request is done when every expected reader reported its final READ finished (``ReadDone``); each report
+gets a ``ReadVerdict`` that is ok only while the blocks are still pinned. When the lease runs out first, the
+blocks are released and the request fails; a reader that reports later gets a refusal, never a false ok.
+Staged readers claim boxes (``StageClaim``): the box is packed into a leased staging slot and granted; the
+slot is freed when the reader's READ of it is done, and poisoned if the request ends while it is granted.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nixl_kv import wire
+from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
-from nixl_kv.errors import AgentError, TransferError
+from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
+from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import ReadDone, ReadVerdict
+from nixl_kv.protocol import ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
-from nixl_kv.state import ContextPhaseParams
+from nixl_kv.state import CacheState, ContextPhaseParams
+from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +38,22 @@ MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest i
 class _Outgoing:
     request: TransferRequest
     block_ids: np.ndarray
+    num_blocks: int
     lease_deadline: float
     future: Future
     expected_readers: int | None = None
-    reports: dict[tuple[str, int], str] = field(default_factory=dict)  # (reader, transfer id) -> failure or ""
+    finished_readers: dict[str, str] = field(default_factory=dict)  # reader -> failure, "" when ok
+
+
+@dataclass(frozen=True)
+class SenderContext:
+    """Who the sender is: its instance, its rank, its cache and how long it keeps blocks for readers."""
+
+    instance_id: str
+    rank: int
+    cache_state: CacheState
+    serialized_state: bytes
+    lease_ms: int
 
 
 class CacheSender:
@@ -44,46 +61,47 @@ class CacheSender:
         self,
         loop: ProgressLoop,
         cache: CacheManager,
-        instance_id: str,
-        serialized_state: bytes,
-        lease_ms: int,
-        dp_rank: int = 0,
+        context: SenderContext,
+        formatter: Formatter,
+        staging: CacheTransBufferManager,
     ) -> None:
         self._loop = loop
         self._cache = cache
-        self._instance_id = instance_id
-        self._serialized_state = serialized_state
-        self._lease_ms = lease_ms
-        self._dp_rank = dp_rank
+        self._context = context
+        self._formatter = formatter
+        self._staging = staging
+        self._views = pool_views(cache.layout)
         self._lock = threading.Lock()
         self._outgoing: dict[int, _Outgoing] = {}
+        self._granted: dict[tuple[str, int], tuple[int, StagingSlot]] = {}  # (reader, transfer) -> (request, slot)
         self._known_readers: OrderedDict[str, None] = OrderedDict()  # LRU of loaded reader agents
         loop.on_message(ReadDone, self._on_read_done)
+        loop.on_message(StageClaim, self._on_stage_claim)
         loop.add_ticker(self._tick)
 
-    def send_async(self, request: TransferRequest) -> Future:
-        """Pin the request's blocks and fill its ContextPhaseParams; the future ends when its readers are done."""
+    def send_async(self, request: TransferRequest, block_ids_per_cp: tuple[tuple[int, ...], ...]) -> Future:
+        """Pin the request's blocks and serve them; the future ends when its readers are done or the lease ends."""
         future: Future = Future()
         blocks = np.asarray(self._cache.pin(request.request_id), dtype=np.int64)
         params = ContextPhaseParams(
             request_id=request.request_id,
-            ctx_state=self._serialized_state,
-            block_ids=(tuple(int(b) for b in blocks),),
+            ctx_state=self._context.serialized_state,
+            block_ids=block_ids_per_cp,
             num_tokens=request.num_tokens,
-            lease_ms=self._lease_ms,
-            ctx_dp_rank=self._dp_rank,
+            lease_ms=self._context.lease_ms,
+            ctx_dp_rank=self._context.cache_state.parallel.dp_rank,
             first_gen_tokens=request.first_gen_tokens,
             draft_tokens=request.draft_tokens,
         )
         request.transfer_start = time.monotonic()
         request.transfer_bytes = len(blocks) * self._cache.layout.block_bytes
+        num_blocks = -(-request.num_tokens // self._context.cache_state.model.tokens_per_block)
+        deadline = request.transfer_start + self._context.lease_ms / 1000
         with self._lock:
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
                 raise ValueError(f"request {request.request_id} is already being sent")
-            self._outgoing[request.request_id] = _Outgoing(
-                request, blocks, request.transfer_start + self._lease_ms / 1000, future
-            )
+            self._outgoing[request.request_id] = _Outgoing(request, blocks, num_blocks, deadline, future)
         request.context_phase_params = wire.encode(params)
         return future
 
@@ -93,8 +111,14 @@ class CacheSender:
             entry = self._outgoing.pop(request_id, None)
         if entry is None:
             return False
-        self._finish(entry, f"request {request_id} was cancelled on the ctx side")
+        self._loop.call(lambda: self._finish(entry, f"request {request_id} was cancelled on the ctx side"))
         return True
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            request_ids = list(self._outgoing)
+        for request_id in request_ids:
+            self.cancel(request_id)
 
     @property
     def pending(self) -> int:
@@ -102,43 +126,87 @@ class CacheSender:
             return len(self._outgoing)
 
     # --- progress loop side ---------------------------------------------------------------------------
+    def _on_stage_claim(self, reader: str, claim: StageClaim) -> None:
+        if not self._reachable(reader, claim.reader_metadata):
+            return
+        grant = self._grant(reader, claim)
+        try:
+            self._loop.agent.notify(reader, wire.encode(grant))
+        except AgentError as exc:
+            log.warning("could not answer the stage claim of %s for request %d: %s", reader, claim.request_id, exc)
+            self._free_slot(reader, claim.transfer_id)
+
+    def _grant(self, reader: str, claim: StageClaim) -> StageGrant:
+        def refuse(reason: str, retry: bool = False) -> StageGrant:
+            return StageGrant(
+                self._context.instance_id, claim.request_id, claim.transfer_id, False, retry=retry, reason=reason
+            )
+
+        if claim.ctx_instance_id != self._context.instance_id:
+            return refuse(f"this ctx rank belongs to instance {self._context.instance_id}")
+        with self._lock:
+            entry = self._outgoing.get(claim.request_id)
+        if entry is None:
+            return refuse(f"request {claim.request_id} is not pinned here (unknown, finished, cancelled or expired)")
+        box = Box(range(*claim.layers), range(*claim.heads), range(*claim.blocks))
+        try:
+            local = self._formatter.localize(
+                self._context.cache_state, self._context.rank, box, entry.num_blocks, entry.block_ids
+            )
+            nbytes = self._formatter.box_bytes(self._context.cache_state, box)
+            slot = self._staging.acquire((reader, claim.transfer_id), entry.lease_deadline - time.monotonic(), nbytes)
+        except BufferExhaustedError as exc:
+            return refuse(str(exc), retry=nbytes <= self._staging.slot_bytes)
+        except NixlKvError as exc:
+            return refuse(str(exc))
+        self._formatter.pack(self._cache.layout, self._views, local, slot.array)
+        self._granted[(reader, claim.transfer_id)] = (claim.request_id, slot)
+        return StageGrant(
+            self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
+        )
+
     def _on_read_done(self, reader: str, message: ReadDone) -> None:
         if not self._reachable(reader, message.reader_metadata):
             return
-        verdict = self._record(reader, message)
-        self._reply(reader, message, verdict)
-
-    def _record(self, reader: str, message: ReadDone) -> str:
-        """Record one reader's report; returns "" for ok or the reason of refusal."""
-        if message.ctx_instance_id != self._instance_id:
-            return f"this ctx rank belongs to instance {self._instance_id}, not {message.ctx_instance_id}"
-        with self._lock:
-            entry = self._outgoing.get(message.request_id)
-            if entry is None:
-                return f"request {message.request_id} is not pinned here (unknown, finished, cancelled or expired)"
-            if entry.expected_readers is None:
-                entry.expected_readers = message.expected_readers
-            entry.reports[(reader, message.transfer_id)] = _failure_of(message)
-            finished = len(entry.reports) >= entry.expected_readers
-            if finished:
-                del self._outgoing[message.request_id]
-        if finished:
-            failures = [reason for reason in entry.reports.values() if reason]
-            self._finish(entry, "; ".join(failures) if failures else None)
-        return _failure_of(message)
-
-    def _reply(self, reader: str, message: ReadDone, refusal: str) -> None:
-        verdict = ReadVerdict(
-            ctx_instance_id=self._instance_id,
-            request_id=message.request_id,
-            transfer_id=message.transfer_id,
-            ok=not refusal,
-            reason=refusal,
-        )
+        self._free_slot(reader, message.transfer_id)
+        refusal = self._record(reader, message)
+        verdict = ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
         try:
             self._loop.agent.notify(reader, wire.encode(verdict))
         except AgentError as exc:
             log.warning("could not answer reader %s of request %d: %s", reader, message.request_id, exc)
+
+    def _free_slot(self, reader: str, transfer_id: int) -> None:
+        found = self._granted.pop((reader, transfer_id), None)
+        if found is None:
+            return
+        _, slot = found
+        if slot.state is SlotState.POISONED:  # its request ended while granted; the reader is now done with it
+            self._staging.clear_poison(slot)
+        else:
+            self._staging.release(slot)
+
+    def _record(self, reader: str, message: ReadDone) -> str:
+        """Record one reader's report; returns "" for ok or the reason of refusal."""
+        if message.ctx_instance_id != self._context.instance_id:
+            return f"this ctx rank belongs to instance {self._context.instance_id}, not {message.ctx_instance_id}"
+        failure = (message.reason or "the reader's READ failed") if message.failed else ""
+        with self._lock:
+            entry = self._outgoing.get(message.request_id)
+            if entry is None:
+                return f"request {message.request_id} is not pinned here (unknown, finished, cancelled or expired)"
+            if not (message.final or message.failed):
+                return ""
+            if entry.expected_readers is None:
+                entry.expected_readers = message.expected_readers
+            entry.finished_readers[reader] = failure
+            finished = len(entry.finished_readers) >= entry.expected_readers
+            if finished:
+                del self._outgoing[message.request_id]
+        if finished:
+            failures = [f"{name}: {why}" for name, why in entry.finished_readers.items() if why]
+            self._finish(entry, "; ".join(failures) if failures else None)
+        return failure
 
     def _reachable(self, reader: str, metadata: bytes) -> bool:
         """A NIXL agent can only notify agents whose metadata it loaded."""
@@ -168,21 +236,22 @@ class CacheSender:
             entries = [self._outgoing.pop(rid) for rid in expired]
             busy = bool(self._outgoing)
         for entry in entries:
-            done = len(entry.reports)
             self._finish(
                 entry,
-                f"lease of {self._lease_ms} ms expired with {done} of {entry.expected_readers or '?'} readers done",
+                f"lease of {self._context.lease_ms} ms expired with {len(entry.finished_readers)} of "
+                f"{entry.expected_readers or '?'} readers done",
             )
-        return busy
+        return busy or bool(self._granted)
 
     def _finish(self, entry: _Outgoing, failure: str | None) -> None:
+        """End a request: poison slots a reader may still read, unpin its blocks, resolve its future."""
+        rid = entry.request.request_id
+        for (reader, _), (request_id, slot) in self._granted.items():
+            if request_id == rid and slot.state is SlotState.LEASED:
+                self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}")
         entry.request.transfer_end = time.monotonic()
-        self._cache.unpin(entry.request.request_id)
+        self._cache.unpin(rid)
         if failure is None:
             entry.future.set_result(None)
         else:
             entry.future.set_exception(TransferError(failure))
-
-
-def _failure_of(message: ReadDone) -> str:
-    return (message.reason or "the reader's READ failed") if message.failed else ""

@@ -11,7 +11,7 @@ from enum import Enum
 from typing import Any
 
 from nixl_kv.dtypes import DataType
-from nixl_kv.layout import KVLayout
+from nixl_kv.layout import KVLayout, MemoryRegion
 
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
@@ -139,6 +139,8 @@ class RankCommInfo:
     agent_metadata: bytes
     layout: KVLayout
     listener: str = ""
+    staging: MemoryRegion | None = None  # the rank's staging slots, one registered buffer
+    slot_bytes: int = 0
 
 
 @dataclass(frozen=True)

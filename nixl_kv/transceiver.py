@@ -16,6 +16,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from nixl_kv import wire
+from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
@@ -25,8 +26,9 @@ from nixl_kv.loop import ProgressLoop
 from nixl_kv.receiver import CacheReceiver
 from nixl_kv.registry import agent_class, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
-from nixl_kv.sender import CacheSender
+from nixl_kv.sender import CacheSender, SenderContext
 from nixl_kv.state import CacheState, CommState, DataTransceiverState, RankCommInfo
+from nixl_kv.topology import position
 
 log = logging.getLogger(__name__)
 
@@ -80,48 +82,56 @@ class CacheTransceiver:
         self._comm = comm or SingleProcessComm()
         self.instance_id: str = self._comm.bcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
         self._cache = cache
+        layout = cache.layout
+        self._staging = CacheTransBufferManager(
+            self.config.max_tokens_in_buffer,
+            layout.block_bytes // layout.tokens_per_block,
+            self.config.num_staging_slots,
+            layout.pools[0].memory,
+            layout.pools[0].device_id,
+        )
         agent = agent_class(self.config.backend)(f"nixl_kv-{self.instance_id}-{self._comm.rank}")
-        agent.register(cache.layout.pools)
-        ranks = self._comm.allgather(RankCommInfo(agent.name, agent.metadata(), cache.layout))
-        self.state = DataTransceiverState(self.instance_id, cache_state, CommState(tuple(ranks)))
+        agent.register([*layout.pools, self._staging.region])
+        me = RankCommInfo(
+            agent.name, agent.metadata(), layout, staging=self._staging.region, slot_bytes=self._staging.slot_bytes
+        )
+        self.state = DataTransceiverState(self.instance_id, cache_state, CommState(tuple(self._comm.allgather(me))))
         self._serialized_state = wire.encode(self.state)
-        self._tp_sync, self._pp_sync, self._gen_sync = self._sync_groups(cache_state)
+        self._tp_sync, self._pp_sync, self._gen_sync, self._cp_group = self._groups(cache_state)
         self._loop = ProgressLoop(agent)
         self._agent = agent
-        self._sender = CacheSender(
-            self._loop,
-            cache,
-            self.instance_id,
-            self._serialized_state,
-            self.config.lease_ms,
-            cache_state.parallel.dp_rank,
-        )
         formatter = formatter_class(cache_state.attention_type.value)()
+        sender_context = SenderContext(
+            self.instance_id, self._comm.rank, cache_state, self._serialized_state, self.config.lease_ms
+        )
+        self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging)
         self._receiver = CacheReceiver(
-            self._loop, cache, self.state, self._comm.rank, formatter, self.config.kv_transfer_timeout_ms
+            self._loop, cache, self.state, self._comm.rank, formatter, self._staging, self.config.kv_transfer_timeout_ms
         )
         self._ctx = _Pending()
         self._gen = _Pending()
         self._closed = False
 
-    def _sync_groups(
-        self, cache_state: CacheState
-    ) -> tuple[CacheTransceiverComm, CacheTransceiverComm, CacheTransceiverComm]:
-        """Split the instance into the groups that must agree (rank order: TP fastest, then CP, then PP)."""
+    def _groups(self, cache_state: CacheState) -> tuple[CacheTransceiverComm, ...]:
+        """Split the instance (rank order: TP fastest, then CP, then PP) into the groups that must agree on a
+        request's outcome, as the reference does, and the CP group that shares a request's block lists.
+
+        ctx: the TP group (all ranks of a PP stage; under attention DP only the rank itself), then the PP group.
+        gen: the whole instance (under attention DP, the ranks of the same DP rank).
+        """
         parallel = cache_state.parallel
         if self._comm.size == 1:
-            return self._comm, self._comm, self._comm
+            return self._comm, self._comm, self._comm, self._comm
         rank = self._comm.rank
-        per_pp = parallel.tp * parallel.cp
-        pp_rank, tp_rank = rank // per_pp, rank % parallel.tp
-        tp_group = self._comm.split(pp_rank, rank)
-        pp_group = self._comm.split(rank % per_pp, rank)
+        where = position(parallel, rank)
+        pp_group = self._comm.split(rank % (parallel.tp * parallel.cp), rank)
+        cp_group = self._comm.split(where.pp_rank * parallel.tp + where.tp_rank, rank)
         if parallel.enable_attention_dp:
-            tp_in_dp = self._comm.split(pp_rank * parallel.dp_size + parallel.dp_rank, rank)
-            dp_group = self._comm.split(parallel.dp_rank, rank)
-            return tp_in_dp, pp_group, dp_group
-        del tp_rank
-        return tp_group, pp_group, self._comm
+            tp_in_dp = self._comm.split(rank, rank)
+            dp_group = self._comm.split(where.tp_rank, rank)
+            return tp_in_dp, pp_group, dp_group, cp_group
+        tp_group = self._comm.split(where.pp_rank, rank)
+        return tp_group, pp_group, self._comm, cp_group
 
     # --- ctx side -----------------------------------------------------------------------------------------
     def respond_and_send_async(self, request: TransferRequest) -> None:
@@ -130,7 +140,9 @@ class CacheTransceiver:
             log.warning("request %d is already responding", request.request_id)
             return
         request.state = RequestState.CONTEXT_TRANS_IN_PROGRESS
-        future = self._sender.send_async(request)
+        blocks = tuple(int(b) for b in self._cache.block_ids(request.request_id))
+        per_cp = tuple(self._cp_group.allgather(blocks))  # collective: every rank responds in the same order
+        future = self._sender.send_async(request, per_cp)
         self._ctx.futures[request.request_id] = (request, future)
 
     def check_context_transfer_status(
@@ -196,7 +208,7 @@ class CacheTransceiver:
 
     def has_poisoned_transfer_buffer(self) -> bool:
         """True while memory a remote may still touch is held back from reuse."""
-        return bool(self._receiver.poisoned)
+        return bool(self._receiver.poisoned) or self._staging.has_poisoned_buffer()
 
     def get_serialized_data_transceiver_state(self) -> bytes:
         return self._serialized_state
@@ -208,8 +220,7 @@ class CacheTransceiver:
         self._closed = True
         try:
             self._loop.call(self._receiver.close)
-            for rid in list(self._ctx.futures):
-                self._sender.cancel(rid)
+            self._sender.cancel_all()
         except NixlKvError as exc:
             log.warning("closing: %s", exc)
         finally:

@@ -45,8 +45,9 @@ def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
     """Decode a message whose type is any of ``classes`` (chosen by the envelope's type tag)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireFormatError("<message>", f"expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireFormatError("<message>", f"{len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    size = memoryview(data).nbytes
+    if size > MAX_MESSAGE_BYTES:
+        raise WireFormatError("<message>", f"{size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         envelope = msgpack.unpackb(
             bytes(data),

@@ -136,11 +136,28 @@ def test_incompatible_model_is_refused_before_any_byte_moves(pair_factory) -> No
         other_gen.transceiver.close()
 
 
-def test_mismatched_pool_layouts_are_refused_until_conversion_exists(pair_factory) -> None:
-    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)
-    request = _receive(pair, 5, pair.prefill(1, 20))
-    assert request.state is RequestState.TRANS_ERROR
-    assert "layout conversion is not supported yet" in request.error
+@pytest.mark.parametrize(
+    ("ctx_kind", "gen_kind"),
+    [
+        (LayoutKind.BLOCK_MAJOR, LayoutKind.PER_LAYER_NHD),
+        (LayoutKind.PER_LAYER_NHD, LayoutKind.BLOCK_MAJOR),
+        (LayoutKind.PER_LAYER_HND, LayoutKind.PER_LAYER_NHD),
+        (LayoutKind.BLOCK_MAJOR, LayoutKind.PER_LAYER_HND),
+    ],
+)
+def test_different_pool_layouts_meet(pair_factory, ctx_kind: LayoutKind, gen_kind: LayoutKind) -> None:
+    # small staging slots force several staged pieces per request where the layouts need a permutation
+    config = {"max_tokens_in_buffer": 32}
+    pair = pair_factory(ctx_kind=ctx_kind, gen_kind=gen_kind, ctx_config=config, gen_config=config)
+    requests = [pair.prefill(rid, n) for rid, n in enumerate([1, 20, 100])]
+    for rid, ctx_request in enumerate(requests):
+        received = _receive(pair, 10 + rid, ctx_request)
+        assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+        assert pair.mismatches(10 + rid, rid, ctx_request.num_tokens) == 0
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None, mark_complete=True)
+    assert statuses.completed_request_ids == {0, 1, 2}
+    assert not pair.ctx.transceiver.has_poisoned_transfer_buffer()
+    assert pair.ctx.transceiver._staging.free_slots == pair.ctx.transceiver.config.num_staging_slots
 
 
 def test_lease_expiry_releases_blocks_and_a_late_read_fails_instead_of_reading_stale_bytes(pair_factory) -> None:
