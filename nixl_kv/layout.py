@@ -42,8 +42,8 @@ class KVLayout:
     """The shape and placement of one rank's paged KV cache.
 
     A *segment* is the contiguous bytes of one block in one pool: the whole block for BLOCK_MAJOR, one
-    (layer, kv) slice of the block for the per-layer kinds. Descriptor lists are built per segment, so a
-    request's blocks map to segment indices ``pool * num_blocks + block``.
+    (layer, kv) slice of the block for the per-layer kinds. Direct reads address *units* (``unit_bytes``)
+    through one strided descriptor row per pool.
     """
 
     kind: LayoutKind
@@ -90,26 +90,15 @@ class KVLayout:
             found.append(f"kv_factor must be 1 or 2, got {self.kv_factor}")
         if len(self.pools) != self.num_pools:
             found.append(f"{self.kind.value} needs {self.num_pools} pools, got {len(self.pools)}")
-        if self.num_pools * self.num_blocks >= 1 << 31:
-            found.append("pools x blocks must stay below 2**31 descriptors")
+        if (
+            min(dims + (self.head_dim, self.itemsize)) >= 1
+            and self.num_pools * self.pool_bytes // self.unit_bytes >= 1 << 31
+        ):
+            found.append("pools x units must stay below 2**31 descriptors")
         for i, pool in enumerate(self.pools):
             if pool.nbytes < self.pool_bytes:
                 found.append(f"pool {i} holds {pool.nbytes} bytes, the layout needs {self.pool_bytes}")
         return found
-
-    def strided_descriptors(self) -> np.ndarray:
-        """One NIXL strided descriptor row per pool: (address, segment bytes, device, stride, count)."""
-        rows = [
-            (pool.address, self.segment_bytes, pool.device_id, self.segment_bytes, self.num_blocks)
-            for pool in self.pools
-        ]
-        return np.array(rows, dtype=np.uint64).reshape(-1, 5)
-
-    def segment_indices(self, block_ids: np.ndarray) -> np.ndarray:
-        """Descriptor indices of the given blocks in every pool, pool-major (runs stay contiguous)."""
-        blocks = np.asarray(block_ids, dtype=np.int64)
-        pools = np.arange(self.num_pools, dtype=np.int64)[:, None] * self.num_blocks
-        return (pools + blocks[None, :]).reshape(-1).astype(np.int32)
 
     @property
     def heads_inner(self) -> bool:
@@ -149,23 +138,3 @@ class KVLayout:
         else:
             index = (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
         return np.ascontiguousarray(index, dtype=np.int32).reshape(-1)
-
-    def same_shape(self, other: KVLayout) -> bool:
-        """True when a segment of one layout holds exactly the bytes of the same segment of the other."""
-        return (
-            self.kind,
-            self.num_layers,
-            self.kv_factor,
-            self.num_heads,
-            self.tokens_per_block,
-            self.head_dim,
-            self.itemsize,
-        ) == (
-            other.kind,
-            other.num_layers,
-            other.kv_factor,
-            other.num_heads,
-            other.tokens_per_block,
-            other.head_dim,
-            other.itemsize,
-        )

@@ -54,9 +54,10 @@ def test_block_major_sizes_and_descriptors() -> None:
     assert layout.block_bytes == 6144
     assert layout.pool_bytes == 30720
     assert layout.problems() == []
-    rows = layout.strided_descriptors()
+    assert layout.unit_bytes == 256  # one head's tokens of a block
+    rows = layout.unit_descriptors()
     assert rows.dtype == np.uint64
-    np.testing.assert_array_equal(rows, np.array([[0x10_0000, 6144, 7, 6144, 5]], dtype=np.uint64))
+    np.testing.assert_array_equal(rows, np.array([[0x10_0000, 256, 7, 256, 5 * 3 * 2 * 4]], dtype=np.uint64))
 
 
 @pytest.mark.parametrize("kind", PER_LAYER_KINDS)
@@ -68,36 +69,41 @@ def test_per_layer_sizes_and_descriptors(kind: LayoutKind) -> None:
     assert layout.block_bytes == 6144
     assert layout.pool_bytes == 5120
     assert layout.problems() == []
-    rows = layout.strided_descriptors()
+    rows = layout.unit_descriptors()
     assert rows.dtype == np.uint64
-    want = [[0x10_0000 + i * 0x1_0000, 1024, 7, 1024, 5] for i in range(6)]
+    unit, count = (1024, 5) if kind is LayoutKind.PER_LAYER_NHD else (256, 5 * 4)
+    want = [[0x10_0000 + i * 0x1_0000, unit, 7, unit, count] for i in range(6)]
     np.testing.assert_array_equal(rows, np.array(want, dtype=np.uint64))
 
 
 def test_descriptors_of_a_layout_without_pools_have_five_columns() -> None:
     layout = make_layout(LayoutKind.PER_LAYER_NHD, num_pools=0)
-    assert layout.strided_descriptors().shape == (0, 5)
+    assert layout.unit_descriptors().shape == (0, 5)
 
 
-def test_block_major_segment_indices() -> None:
-    layout = make_layout(LayoutKind.BLOCK_MAJOR)
-    indices = layout.segment_indices(np.array([3, 0, 4]))
+def test_block_major_unit_indices_follow_memory_order() -> None:
+    layout = make_layout(LayoutKind.BLOCK_MAJOR)  # 3 layers, kv 2, 4 heads, 5 blocks
+    indices = layout.unit_indices(np.array([3, 0]), range(1, 2), range(2, 4), block_first=True)
     assert indices.dtype == np.int32
-    np.testing.assert_array_equal(indices, np.array([3, 0, 4], dtype=np.int32))
+    np.testing.assert_array_equal(indices, np.array([82, 83, 86, 87, 10, 11, 14, 15], dtype=np.int32))
 
 
-@pytest.mark.parametrize("kind", PER_LAYER_KINDS)
-def test_per_layer_segment_indices_are_pool_major(kind: LayoutKind) -> None:
-    layout = make_layout(kind, num_layers=2)  # 4 pools of 5 blocks
-    indices = layout.segment_indices(np.array([3, 0, 4]))
-    assert indices.dtype == np.int32
-    want = [3, 0, 4, 8, 5, 9, 13, 10, 14, 18, 15, 19]
-    np.testing.assert_array_equal(indices, np.array(want, dtype=np.int32))
-
-
-def test_segment_indices_of_no_blocks() -> None:
+def test_per_layer_hnd_unit_indices_are_layer_first() -> None:
     layout = make_layout(LayoutKind.PER_LAYER_HND)
-    assert layout.segment_indices(np.array([], dtype=np.int64)).tolist() == []
+    indices = layout.unit_indices(np.array([3, 0]), range(1, 2), range(2, 4), block_first=False)
+    np.testing.assert_array_equal(indices, np.array([54, 55, 42, 43, 74, 75, 62, 63], dtype=np.int32))
+
+
+def test_per_layer_nhd_units_are_whole_chunks() -> None:
+    layout = make_layout(LayoutKind.PER_LAYER_NHD)
+    assert not layout.heads_inner
+    indices = layout.unit_indices(np.array([3, 0]), range(1, 2), None, block_first=False)
+    np.testing.assert_array_equal(indices, np.array([13, 10, 18, 15], dtype=np.int32))
+
+
+def test_unit_indices_of_no_blocks() -> None:
+    layout = make_layout(LayoutKind.PER_LAYER_HND)
+    assert layout.unit_indices(np.array([], dtype=np.int64), range(3), range(4), block_first=False).tolist() == []
 
 
 @pytest.mark.parametrize(
@@ -129,16 +135,9 @@ def test_problems_bad_dimensions() -> None:
 
 def test_problems_too_many_descriptors() -> None:
     layout = make_layout(LayoutKind.PER_LAYER_NHD, num_blocks=1 << 29, num_layers=2, kv_factor=2)
-    assert layout.problems() == ["pools x blocks must stay below 2**31 descriptors"]
+    assert layout.problems() == ["pools x units must stay below 2**31 descriptors"]
     below = make_layout(LayoutKind.PER_LAYER_NHD, num_blocks=(1 << 29) - 1, num_layers=2, kv_factor=2)
     assert below.problems() == []
-
-
-def test_same_shape_ignores_block_count_and_pools() -> None:
-    layout = make_layout(LayoutKind.PER_LAYER_NHD)
-    assert layout.same_shape(make_layout(LayoutKind.PER_LAYER_NHD, num_blocks=50))
-    assert not layout.same_shape(make_layout(LayoutKind.PER_LAYER_HND))
-    assert not layout.same_shape(make_layout(LayoutKind.PER_LAYER_NHD, num_layers=2))
 
 
 # --- PagedKVCache -----------------------------------------------------------------------------------------------
