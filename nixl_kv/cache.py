@@ -128,8 +128,8 @@ class PagedKVCache:
         return -(-num_tokens // self.tokens_per_block)
 
     def allocate(self, request_id: int, num_tokens: int) -> np.ndarray:
-        if num_tokens < 1:
-            raise ValueError(f"request {request_id}: num_tokens must be at least 1, got {num_tokens}")
+        if num_tokens < 0:
+            raise ValueError(f"request {request_id}: num_tokens must not be negative, got {num_tokens}")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id} already holds blocks")

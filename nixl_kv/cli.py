@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nixl-kv", description="KV cache transfer for disaggregated serving")
     commands = parser.add_subparsers(dest="command", required=True)
     pair = commands.add_parser("pair", help="run a ctx and a gen instance end to end and verify every element")
-    pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help="ctx SPEC: tp=,pp=,cp=,dp=,layout=")
-    pair.add_argument("--gen", type=_spec, default=ParallelSpec(), help="gen SPEC: tp=,pp=,cp=,dp=,layout=")
+    spec_help = "SPEC: tp=,pp=,cp=,dp= (0/1 attention DP), layers=a:b:.. (uneven PP), layout=block_major|nhd|hnd"
+    pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help=f"ctx {spec_help}")
+    pair.add_argument("--gen", type=_spec, default=ParallelSpec(), help=f"gen {spec_help}")
     pair.add_argument("--layers", type=int, default=32)
     pair.add_argument("--kv-heads", type=int, default=8)
     pair.add_argument("--head-dim", type=int, default=128)
@@ -76,7 +77,7 @@ def _pair(args: argparse.Namespace) -> int:
     options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
     try:
         report = run_pair(options, progress=lambda text: print(f"[pair] {text}", file=sys.stderr, flush=True))
-    except NotSupportedError as exc:
+    except (NotSupportedError, ValueError) as exc:
         print(f"nixl-kv pair: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

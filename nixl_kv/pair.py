@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from nixl_kv.errors import NotSupportedError
@@ -23,34 +25,59 @@ WORKER_START_S = 60.0
 RAW_READ_REPEATS = 5
 
 
+LAYOUTS = {"block_major": "block_major", "nhd": "per_layer_nhd", "hnd": "per_layer_hnd"}
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
+    """One instance's SPEC: ``tp=,pp=,cp=,dp=`` (dp 0/1: attention DP), ``layers=3:3:2:2`` (uneven PP split)
+    and ``layout=block_major|nhd|hnd`` (its pool layout)."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
     dp: int = 0
+    layers: tuple[int, ...] = ()
     layout: str = "block_major"
 
     @classmethod
     def parse(cls, text: str) -> ParallelSpec:
-        """``tp=2,pp=1,...``; unknown keys and bad values are errors."""
+        """Unknown keys and bad values are errors."""
         values: dict[str, Any] = {}
         for item in filter(None, text.split(",")):
             key, sep, value = item.partition("=")
             if not sep or key not in cls.__dataclass_fields__:
-                raise ValueError(f"bad SPEC item {item!r}: expected key=value with keys tp, pp, cp, dp, layout")
-            values[key] = value if key == "layout" else int(value)
+                raise ValueError(f"bad SPEC item {item!r}: expected key=value with keys tp, pp, cp, dp, layers, layout")
+            if key == "layout":
+                if value not in LAYOUTS:
+                    raise ValueError(f"bad layout {value!r}: one of {', '.join(LAYOUTS)}")
+                values[key] = LAYOUTS[value]
+            elif key == "layers":
+                values[key] = tuple(int(part) for part in value.split(":"))
+            else:
+                values[key] = int(value)
         spec = cls(**values)
         if min(spec.tp, spec.pp, spec.cp) < 1 or spec.dp not in (0, 1):
             raise ValueError(f"bad SPEC {text!r}: tp, pp, cp must be >= 1 and dp 0 or 1")
+        if spec.layers and (len(spec.layers) != spec.pp or min(spec.layers) < 1):
+            raise ValueError(f"bad SPEC {text!r}: layers needs pp={spec.pp} positive counts")
         return spec
 
-    def check_supported(self, side: str) -> None:
-        if (self.tp, self.pp, self.cp, self.dp) != (1, 1, 1, 0):
-            raise NotSupportedError(
-                f"{side} SPEC tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}: "
-                "multi-rank instances are not supported yet"
-            )
+    def instance(self, model: InstanceSpec, num_blocks: int) -> InstanceSpec:
+        if self.layers and sum(self.layers) != model.layers:
+            raise ValueError(f"SPEC layers {':'.join(map(str, self.layers))} do not sum to {model.layers} layers")
+        if model.layers < self.pp:
+            raise ValueError(f"{model.layers} layers cannot be split over pp={self.pp}")
+        return replace(
+            model,
+            num_blocks=num_blocks,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            dp=self.dp,
+            layer_split=self.layers,
+            layout=self.layout,
+        )
 
 
 @dataclass(frozen=True)
@@ -116,8 +143,11 @@ class Worker:
 
     def __init__(self, role: str, spec: InstanceSpec) -> None:
         self.role = role
+        command = [sys.executable, "-m", "nixl_kv.pair_worker", role, spec_json(spec)]
+        if spec.world_size > 1:
+            command = [_mpiexec(), "-n", str(spec.world_size), *command]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nixl_kv.pair_worker", role, spec_json(spec)],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -158,20 +188,27 @@ class Worker:
             self.process.wait()
 
 
+def _mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel puts it in the venv), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise NotSupportedError("multi-rank instances need mpiexec: pip install mpich (or any MPI)")
+    return found
+
+
 def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     """Run the pair; ``progress(text)`` is called as work advances."""
-    options.ctx.check_supported("ctx")
-    options.gen.check_supported("gen")
     say = progress or (lambda _text: None)
     blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
-    ctx_spec = replace(options.model, num_blocks=blocks, layout=options.ctx.layout)
-    gen_spec = replace(options.model, num_blocks=blocks, layout=options.gen.layout)
+    ctx_spec = options.ctx.instance(options.model, blocks)
+    gen_spec = options.gen.instance(options.model, blocks)
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
     try:
-        ctx.expect("ready", WORKER_START_S)
-        gen.expect("ready", WORKER_START_S)
-        say("ctx and gen instances are up")
+        ctx_ranks = ctx.expect("ready", WORKER_START_S)["ranks"]
+        gen_ranks = gen.expect("ready", WORKER_START_S)["ranks"]
+        say(f"ctx instance ({ctx_ranks} ranks) and gen instance ({gen_ranks} ranks) are up")
         for round_index in range(options.rounds):
             _run_round(options, round_index, ctx, gen, report, say)
         say("measuring a raw NIXL READ of the same bytes")
@@ -190,7 +227,9 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
     items = []
     for rid, tokens in zip(ids, options.requests, strict=True):
         reply = ctx.expect("params", options.step_timeout_s)
-        items.append([rid + 1_000_000, reply["request_id"], tokens, reply["params"]])
+        if reply["request_id"] != rid:
+            raise RuntimeError(f"ctx instance sent params for request {reply['request_id']}, expected {rid}")
+        items.append([rid + 1_000_000, rid, tokens, reply["params"]])
     ctx.expect("sent", options.step_timeout_s)
     say(f"round {round_index + 1}/{options.rounds}: gen pulls and verifies {count} requests")
     gen.send(op="receive", items=items)
@@ -200,8 +239,9 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
     report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
     report.round_seconds.append(received["seconds"])
     report.round_bytes.append(sum(r["bytes"] for r in received["results"]))
+    tokens = dict(zip(ids, options.requests, strict=True))
     for r in received["results"]:
-        report.results.append(RequestResult(round=round_index, **r))
+        report.results.append(RequestResult(round=round_index, tokens=tokens[r["request_id"]], **r))
     verified = sum(r["verified"] for r in received["results"])
     say(f"round {round_index + 1}/{options.rounds}: {verified}/{count} verified in {received['seconds'] * 1e3:.1f} ms")
 

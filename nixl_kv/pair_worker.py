@@ -1,7 +1,9 @@
-"""One instance of ``nixl-kv pair``: a ctx or a gen process, driven by the router over stdin/stdout.
+"""One instance of ``nixl-kv pair``: the ctx or the gen instance, one process per rank.
 
-The router sends one JSON command per line and reads one JSON reply per line. The two instances share
-nothing but the ContextPhaseParams bytes the router forwards, and NIXL.
+Rank 0 talks to the router (one JSON command per line on stdin, one JSON reply per line on stdout) and
+broadcasts each command to the other ranks; every rank does its part and rank 0 gathers the results. A
+multi-rank instance runs under mpiexec. The two instances share nothing but the ContextPhaseParams bytes
+the router forwards, and NIXL.
 """
 
 from __future__ import annotations
@@ -19,18 +21,20 @@ from typing import Any
 import numpy as np
 
 from nixl_kv.cache import PagedKVCache
+from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.fill import Slice, count_mismatches, expected
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig
+from nixl_kv.topology import Share, holds_request, share
 from nixl_kv.transceiver import CacheTransceiver
 
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """What one side of a pair runs: the model, its share of it, and where its pools live."""
+    """What one instance runs: the model, its parallel layout, and where its pools live."""
 
     layers: int
     kv_heads: int
@@ -38,28 +42,56 @@ class InstanceSpec:
     tokens_per_block: int
     dtype: str
     num_blocks: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 0
+    layer_split: tuple[int, ...] = ()
     layout: str = LayoutKind.BLOCK_MAJOR.value
     device: str = "cpu"
     lease_ms: int = 60_000
     timeout_ms: int | None = None
+    max_tokens_in_buffer: int = 8192
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
 
     @property
     def data_type(self) -> DataType:
         return DataType(self.dtype)
 
-    def cache_state(self) -> CacheState:
+    def layers_per_pp_rank(self) -> tuple[int, ...]:
+        if self.layer_split:
+            return tuple(self.layer_split)
+        base, extra = divmod(self.layers, self.pp)
+        return tuple(base + (1 if i < extra else 0) for i in range(self.pp))
+
+    def parallel(self, rank: int) -> ParallelConfig:
+        dp = bool(self.dp)
+        return ParallelConfig(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            enable_attention_dp=dp,
+            dp_rank=rank % self.tp if dp else 0,
+            dp_size=self.tp if dp else 1,
+            attention_layers_per_pp_rank=self.layers_per_pp_rank(),
+        )
+
+    def cache_state(self, rank: int) -> CacheState:
         return CacheState(
             model=ModelConfig((self.kv_heads,) * self.layers, self.head_dim, self.tokens_per_block),
-            parallel=ParallelConfig(attention_layers_per_pp_rank=(self.layers,)),
+            parallel=self.parallel(rank),
             dtype=self.data_type,
             attention_type=AttentionType.DEFAULT,
         )
 
-    def build_cache(self) -> PagedKVCache:
+    def build_cache(self, held: Share) -> PagedKVCache:
         return PagedKVCache(
             num_blocks=self.num_blocks,
-            num_layers=self.layers,
-            num_heads=self.kv_heads,
+            num_layers=len(held.layers),
+            num_heads=len(held.heads),
             tokens_per_block=self.tokens_per_block,
             head_dim=self.head_dim,
             dtype=self.data_type,
@@ -67,8 +99,9 @@ class InstanceSpec:
             memory=MemoryKind.VRAM if self.device == "cuda" else MemoryKind.DRAM,
         )
 
-    def full_slice(self, num_tokens: int) -> Slice:
-        return Slice(0, self.layers, 0, self.kv_heads, 2, self.head_dim, 0, num_tokens)
+    def dp_rank_of(self, index: int) -> int:
+        """With attention DP, request ``index`` of a round is served by DP rank ``index % tp``."""
+        return index % self.tp if self.dp else 0
 
 
 def emit(**reply: Any) -> None:
@@ -76,68 +109,95 @@ def emit(**reply: Any) -> None:
     sys.stdout.flush()
 
 
-class ContextInstance:
-    def __init__(self, spec: InstanceSpec) -> None:
-        self.spec = spec
-        self.cache = spec.build_cache()
-        self.transceiver = CacheTransceiver(
-            self.cache, spec.cache_state(), CacheTransceiverConfig(lease_ms=spec.lease_ms)
+class Instance:
+    """This rank's part of the instance: its cache, its transceiver, and which requests it holds."""
+
+    def __init__(self, role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
+        self.role, self.spec, self.comm = role, spec, comm
+        self.parallel = spec.parallel(comm.rank)
+        self.cache = spec.build_cache(self.share(spec.tokens_per_block))
+        config = CacheTransceiverConfig(
+            lease_ms=spec.lease_ms,
+            kv_transfer_timeout_ms=spec.timeout_ms,
+            max_tokens_in_buffer=spec.max_tokens_in_buffer,
         )
+        self.transceiver = CacheTransceiver(self.cache, spec.cache_state(comm.rank), config, comm)
         self.requests: list[TransferRequest] = []
 
-    def send(self, requests: list[list[int]]) -> None:
-        for request_id, num_tokens in requests:
-            self.cache.allocate(request_id, num_tokens)
-            values = expected(request_id, self.spec.full_slice(num_tokens), self.spec.data_type.itemsize)
-            self.cache.write_tokens(request_id, values)
+    def share(self, num_tokens: int) -> Share:
+        blocks = -(-num_tokens // self.spec.tokens_per_block)
+        return share(self.parallel, self.comm.rank, self.spec.kv_heads, blocks)
+
+    def holds(self, index: int) -> bool:
+        return holds_request(self.parallel, self.comm.rank, self.spec.dp_rank_of(index))
+
+    def where(self, num_tokens: int) -> Slice:
+        held, tokens_per_block = self.share(num_tokens), self.spec.tokens_per_block
+        first, last = held.blocks.start * tokens_per_block, min(held.blocks.stop * tokens_per_block, num_tokens)
+        return Slice(
+            held.layers.start,
+            len(held.layers),
+            held.heads.start,
+            len(held.heads),
+            2,
+            self.spec.head_dim,
+            first,
+            max(0, last - first),
+        )
+
+    def allocate(self, request_id: int, num_tokens: int) -> Slice:
+        """Blocks for this rank's share of the request (none when its CP share is empty)."""
+        where = self.where(num_tokens)
+        self.cache.allocate(request_id, where.num_tokens)
+        return where
+
+    # --- ctx ---------------------------------------------------------------------------------------------
+    def send(self, requests: list[list[int]]) -> list[tuple[int, str]]:
+        params = []
+        for index, (request_id, num_tokens) in enumerate(requests):
+            if not self.holds(index):
+                continue
+            where = self.allocate(request_id, num_tokens)
+            if where.num_tokens:
+                self.cache.write_tokens(request_id, expected(request_id, where, self.spec.data_type.itemsize))
             request = TransferRequest(request_id, num_tokens=num_tokens)
             self.transceiver.respond_and_send_async(request)
             self.requests.append(request)
-            emit(op="params", request_id=request_id, params=base64.b64encode(request.context_phase_params).decode())
-        emit(op="sent")
+            params.append((request_id, base64.b64encode(request.context_phase_params).decode()))
+        return params
 
-    def settle(self) -> None:
+    def settle(self) -> dict[int, str]:
         self.transceiver.check_context_transfer_status(None, mark_complete=True)
-        errors = {r.request_id: r.error for r in self.requests if r.state is not RequestState.CONTEXT_COMPLETE}
+        errors = {r.request_id: r.error or "" for r in self.requests if r.state is not RequestState.CONTEXT_COMPLETE}
         for request in self.requests:
-            self.cache.free(request.request_id)
+            self._free(request.request_id)
         self.requests.clear()
-        emit(op="settled", errors=errors)
+        return errors
 
-    def close(self) -> None:
-        self.transceiver.close()
-
-
-class GenerationInstance:
-    def __init__(self, spec: InstanceSpec) -> None:
-        self.spec = spec
-        self.cache = spec.build_cache()
-        config = CacheTransceiverConfig(lease_ms=spec.lease_ms, kv_transfer_timeout_ms=spec.timeout_ms)
-        self.transceiver = CacheTransceiver(self.cache, spec.cache_state(), config)
-
-    def receive(self, items: list[list[Any]]) -> None:
-        """Items are (gen request id, ctx request id, tokens, params); all are pulled at once, then verified."""
-        requests = []
-        for gen_id, _, num_tokens, params in items:
-            self.cache.allocate(gen_id, num_tokens)
-            requests.append(TransferRequest(gen_id, context_phase_params=base64.b64decode(params)))
+    # --- gen ---------------------------------------------------------------------------------------------
+    def receive(self, items: list[list[Any]]) -> tuple[float, list[dict[str, Any]]]:
+        """Items are (gen request id, ctx request id, tokens, params); this rank's share of all is pulled at once."""
+        mine = []
+        for index, (gen_id, _, num_tokens, params) in enumerate(items):
+            if self.holds(index):
+                where = self.allocate(gen_id, num_tokens)
+                mine.append((TransferRequest(gen_id, context_phase_params=base64.b64decode(params)), where))
         start = time.perf_counter()
-        for request in requests:
+        for request, _ in mine:
             self.transceiver.request_and_receive_async(request)
         self.transceiver.check_gen_transfer_status(None)
         seconds = time.perf_counter() - start
         results = []
-        for request, (gen_id, ctx_id, num_tokens, _) in zip(requests, items, strict=True):
+        ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, _, _ in items}
+        for request, where in mine:
             ok = request.state is RequestState.GENERATION_TRANS_COMPLETE
-            mismatched = (
-                count_mismatches(self.cache.read_tokens(gen_id, num_tokens), ctx_id, self.spec.full_slice(num_tokens))
-                if ok
-                else 0
-            )
+            mismatched = 0
+            if ok and where.num_tokens:
+                actual = self.cache.read_tokens(request.request_id, where.num_tokens)
+                mismatched = count_mismatches(actual, ctx_ids[request.request_id], where)
             results.append(
                 {
-                    "request_id": ctx_id,
-                    "tokens": num_tokens,
+                    "request_id": ctx_ids[request.request_id],
                     "bytes": request.transfer_bytes,
                     "seconds": request.transfer_end - request.transfer_start,
                     "verified": ok and mismatched == 0,
@@ -145,11 +205,38 @@ class GenerationInstance:
                     "error": request.error,
                 }
             )
-            self.cache.free(gen_id)
-        emit(op="received", seconds=seconds, results=results)
+            self._free(request.request_id)
+        return seconds, results
+
+    def _free(self, request_id: int) -> None:
+        self.cache.free(request_id)
 
     def close(self) -> None:
         self.transceiver.close()
+
+
+def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per request: verified only if every rank that holds part of it verified its part."""
+    merged: dict[int, dict[str, Any]] = {}
+    for results in per_rank:
+        for r in results:
+            into = merged.setdefault(
+                r["request_id"],
+                {
+                    "request_id": r["request_id"],
+                    "bytes": 0,
+                    "seconds": 0.0,
+                    "verified": True,
+                    "mismatched": 0,
+                    "error": None,
+                },
+            )
+            into["bytes"] += r["bytes"]
+            into["seconds"] = max(into["seconds"], r["seconds"])
+            into["verified"] = into["verified"] and r["verified"]
+            into["mismatched"] += r["mismatched"]
+            into["error"] = into["error"] or r["error"]
+    return [merged[rid] for rid in sorted(merged)]
 
 
 class RawReadBaseline:
@@ -158,9 +245,8 @@ class RawReadBaseline:
     def __init__(self, role: str, nbytes: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(
-            f"pair-baseline-{role}-{time.time_ns()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        )
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent = nixl_agent(f"pair-baseline-{role}-{time.time_ns()}", config)
         self.buffer = np.ones(nbytes, dtype=np.uint8)
         self.row = (self.buffer.ctypes.data, nbytes, 0)
         self.registration = self.agent.register_memory([(*self.row, "")], "DRAM")
@@ -200,26 +286,41 @@ class RawReadBaseline:
         self.agent.deregister_memory(self.registration)
 
 
-def serve(role: str, spec: InstanceSpec) -> None:
-    instance = ContextInstance(spec) if role == "ctx" else GenerationInstance(spec)
+def serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
+    instance = Instance(role, spec, comm)
+    lead = comm.rank == 0
     baseline: RawReadBaseline | None = None
-    emit(op="ready")
+    if lead:
+        emit(op="ready", ranks=comm.size)
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
+        while True:
+            command = comm.bcast(json.loads(sys.stdin.readline() or '{"op": "quit"}') if lead else None)
             op = command["op"]
             if op == "send":
-                instance.send(command["requests"])
+                params = comm.allgather(instance.send(command["requests"]))
+                if lead:
+                    for request_id, blob in _first_per_request(params):
+                        emit(op="params", request_id=request_id, params=blob)
+                    emit(op="sent")
             elif op == "settle":
-                instance.settle()
+                errors = comm.allgather(instance.settle())
+                if lead:
+                    emit(op="settled", errors={str(k): v for e in errors for k, v in e.items()})
             elif op == "receive":
-                instance.receive(command["items"])
-            elif op == "baseline_source":
+                seconds, results = instance.receive(command["items"])
+                gathered = comm.allgather((seconds, results))
+                if lead:
+                    emit(
+                        op="received",
+                        seconds=max(s for s, _ in gathered),
+                        results=merge_results([r for _, r in gathered]),
+                    )
+            elif lead and op == "baseline_source":
                 baseline = RawReadBaseline(role, command["nbytes"])
                 baseline.describe()
-            elif op == "baseline_serve" and baseline is not None:
+            elif lead and op == "baseline_serve" and baseline is not None:
                 baseline.serve(command["repeats"])
-            elif op == "baseline_read":
+            elif lead and op == "baseline_read":
                 baseline = RawReadBaseline(role, command["row"][1])
                 baseline.read(command["metadata"], command["row"], command["repeats"])
             elif op == "quit":
@@ -228,7 +329,17 @@ def serve(role: str, spec: InstanceSpec) -> None:
         if baseline is not None:
             baseline.close()
         instance.close()
-    emit(op="bye")
+    if lead:
+        emit(op="bye")
+
+
+def _first_per_request(per_rank: list[list[tuple[int, str]]]) -> list[tuple[int, str]]:
+    """Every rank that holds a request made its params; the router needs one per request (in request order)."""
+    chosen: dict[int, str] = {}
+    for params in per_rank:
+        for request_id, blob in params:
+            chosen.setdefault(request_id, blob)
+    return sorted(chosen.items())
 
 
 def main() -> None:
@@ -236,9 +347,13 @@ def main() -> None:
     parser.add_argument("role", choices=["ctx", "gen"])
     parser.add_argument("spec", help="InstanceSpec as JSON")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format=f"[{args.role}] %(levelname)s %(name)s: %(message)s")
+    spec = InstanceSpec(**json.loads(args.spec))
+    comm: CacheTransceiverComm = MpiComm() if spec.world_size > 1 else SingleProcessComm()
+    logging.basicConfig(level=logging.WARNING, format=f"[{args.role}{comm.rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    serve(args.role, InstanceSpec(**json.loads(args.spec)))
+    if comm.size != spec.world_size:
+        raise SystemExit(f"{args.role}: {comm.size} MPI ranks for tp*pp*cp = {spec.world_size}")
+    serve(args.role, spec, comm)
 
 
 def spec_json(spec: InstanceSpec) -> str:
