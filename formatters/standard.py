@@ -18,7 +18,16 @@ from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupp
 from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind
 from nixl_kv.state import AttentionType, CacheState
-from nixl_kv.topology import PeerSlice, Share, head_duplication, peer_slices, position, reader_ranks, share
+from nixl_kv.topology import (
+    PeerSlice,
+    Share,
+    head_duplication,
+    holds_request,
+    peer_slices,
+    position,
+    reader_ranks,
+    share,
+)
 from nixl_kv.views import gather, scatter
 
 # Below this many contiguous bytes per run, packing on the ctx side and one long READ beat many short READs.
@@ -79,7 +88,21 @@ class StandardFormatter(Formatter):
                 ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank
             )
             reads.append(self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids, len(readers)))
-        return reads
+        return reads + self._unneeded(request, heads, num_blocks, gen_dp_rank)
+
+    @staticmethod
+    def _unneeded(request: ReadRequest, heads: int, num_blocks: int, gen_dp_rank: int) -> list[PeerRead]:
+        """On the first gen rank of the request: the ctx ranks holding part of it that no gen rank reads."""
+        gen, ctx = request.self_state.cache.parallel, request.peer_state.cache.parallel
+        first = next(rank for rank in range(gen.world_size) if holds_request(gen, rank, gen_dp_rank))
+        if request.self_rank != first:
+            return []
+        return [
+            PeerRead(peer_rank=rank, expected_readers=0, nbytes=0)
+            for rank in range(ctx.world_size)
+            if holds_request(ctx, rank, request.peer_dp_rank)
+            and not reader_ranks(ctx, rank, gen, heads, num_blocks, request.peer_dp_rank, gen_dp_rank)
+        ]
 
     def _peer_blocks(self, request: ReadRequest, peer_rank: int, theirs: Share) -> np.ndarray:
         cp_rank = position(request.peer_state.cache.parallel, peer_rank).cp_rank

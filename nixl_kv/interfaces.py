@@ -122,7 +122,8 @@ class PeerRead:
 
     Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
     Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
-    ``expected_readers`` is how many gen ranks read this request from that ctx rank.
+    ``expected_readers`` is how many gen ranks read this request from that ctx rank; 0 means none does, and
+    this gen rank (the request's first) tells the ctx rank so (``NoReaders``).
     """
 
     peer_rank: int

@@ -6,7 +6,8 @@ Staged mode: the gen rank sends ``StageClaim`` for a box; the ctx rank packs it 
 answers ``StageGrant`` (or a refusal, possibly worth retrying); the gen rank READs the slot with ``ReadDone``
 as notification, and the ctx rank frees the slot and answers ``ReadVerdict``. ``final`` marks a reader's last
 READ of the request: the ctx rank counts readers, not READs. A gen rank whose READ failed sends
-``ReadDone(failed=True)`` so the ctx rank need not wait for its lease to run out.
+``ReadDone(failed=True)`` so the ctx rank need not wait for its lease to run out, and ``NoReaders`` tells a
+ctx rank that holds part of a request no gen rank needs.
 """
 
 from __future__ import annotations
@@ -69,3 +70,13 @@ class StageGrant:
     nbytes: int = 0
     retry: bool = False
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class NoReaders:
+    """Sent by the first gen rank of a request to each ctx rank that holds part of it but that no gen rank
+    needs (an unused duplicate of a head, an empty CP share): it may release the request at once."""
+
+    ctx_instance_id: str
+    request_id: int
+    reader_metadata: bytes

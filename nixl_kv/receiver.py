@@ -25,7 +25,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import ReadDone, ReadVerdict, StageClaim, StageGrant
+from nixl_kv.protocol import NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
 from nixl_kv.views import pool_views
@@ -243,7 +243,13 @@ class CacheReceiver:
         peer.done = not peer.plan.staged or peer.next_piece == len(peer.plan.pieces)
 
     def _begin(self, incoming: _Incoming, peer: _PeerPull) -> None:
-        """Post the direct READ, or claim the next staged piece."""
+        """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
+        if peer.plan.expected_readers == 0:
+            self._connect(peer.rank)
+            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
+            self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
+            peer.done = True
+            return
         transfer = _Transfer(next(self._transfer_ids))
         if not peer.plan.staged:
             remote = self._remote_descriptors(peer.rank)
@@ -394,7 +400,7 @@ class CacheReceiver:
             if peer.slot is not None:
                 self._staging.release(peer.slot)
                 peer.slot = None
-            if not peer.done and (current is not None or peer.next_piece > 0):
+            if not peer.done and peer.plan.expected_readers and (current is not None or peer.next_piece > 0):
                 self._tell_ctx_failed(incoming, peer, current, reason)
         self._end(incoming, reason)
 

@@ -24,7 +24,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import ReadDone, ReadVerdict, StageClaim, StageGrant
+from nixl_kv.protocol import NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import CacheState, ContextPhaseParams
 from nixl_kv.views import pool_views
@@ -77,6 +77,7 @@ class CacheSender:
         self._known_readers: OrderedDict[str, None] = OrderedDict()  # LRU of loaded reader agents
         loop.on_message(ReadDone, self._on_read_done)
         loop.on_message(StageClaim, self._on_stage_claim)
+        loop.on_message(NoReaders, self._on_no_readers)
         loop.add_ticker(self._tick)
 
     def send_async(self, request: TransferRequest, block_ids_per_cp: tuple[tuple[int, ...], ...]) -> Future:
@@ -164,6 +165,17 @@ class CacheSender:
         return StageGrant(
             self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
         )
+
+    def _on_no_readers(self, reader: str, message: NoReaders) -> None:
+        if message.ctx_instance_id != self._context.instance_id:
+            return
+        with self._lock:
+            entry = self._outgoing.get(message.request_id)
+            if entry is None or entry.finished_readers:
+                return
+            del self._outgoing[message.request_id]
+        log.debug("request %d: %s says no gen rank reads this rank's part", message.request_id, reader)
+        self._finish(entry, None)
 
     def _on_read_done(self, reader: str, message: ReadDone) -> None:
         if not self._reachable(reader, message.reader_metadata):
