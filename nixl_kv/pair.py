@@ -20,6 +20,7 @@ from typing import Any
 
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.pair_worker import InstanceSpec, spec_json
+from nixl_kv.topology import head_duplication
 
 WORKER_START_S = 60.0
 RAW_READ_REPEATS = 5
@@ -68,7 +69,7 @@ class ParallelSpec:
             raise ValueError(f"SPEC layers {':'.join(map(str, self.layers))} do not sum to {model.layers} layers")
         if model.layers < self.pp:
             raise ValueError(f"{model.layers} layers cannot be split over pp={self.pp}")
-        return replace(
+        spec = replace(
             model,
             num_blocks=num_blocks,
             tp=self.tp,
@@ -78,6 +79,8 @@ class ParallelSpec:
             layer_split=self.layers,
             layout=self.layout,
         )
+        head_duplication(spec.parallel(0), model.kv_heads)  # NotSupportedError when heads do not split over TP
+        return spec
 
 
 @dataclass(frozen=True)

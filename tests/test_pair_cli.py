@@ -51,11 +51,19 @@ def test_pair_defaults_are_a_real_model_shape() -> None:
     assert summary["bytes"] == sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
 
 
-@pytest.mark.parametrize("spec", ["--ctx=tp=2", "--gen=pp=2", "--gen=dp=1", "--ctx=cp=2"])
-def test_multi_rank_specs_are_refused_clearly(spec: str) -> None:
-    result = _pair(spec, "--layers", "2", "--requests", "8", timeout_s=60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--attention", "mla"], "--attention mla is not supported yet"),
+        (["--ctx=pp=2,layers=1:2", "--layers", "4"], "do not sum to 4 layers"),
+        (["--gen=tp=2", "--kv-heads", "3"], "3 kv heads do not split evenly over TP 2"),
+        (["--gen=layout=weird"], "bad layout 'weird'"),
+    ],
+)
+def test_unsupported_runs_are_refused_clearly(args: list[str], message: str) -> None:
+    result = _pair(*args, "--requests", "8", timeout_s=60)
     assert result.returncode == 2
-    assert "multi-rank instances are not supported yet" in result.stderr
+    assert message in result.stderr
 
 
 def test_bad_spec_is_a_usage_error() -> None:

@@ -1,0 +1,86 @@
+"""Multi-rank pairings end to end: each instance is its own mpiexec job, every element of every rank checked."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+def _run(ctx: str, gen: str, *, layers: int = 4, heads: int = 4, tokens_per_block: int = 16, dtype: str = "float32",
+         requests: str = "30,10,60,80", rounds: int = 2, extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    command = [
+        sys.executable, "-m", "nixl_kv.cli", "pair", f"--ctx={ctx}", f"--gen={gen}", "--layers", str(layers),
+        "--kv-heads", str(heads), "--head-dim", "4", "--tokens-per-block", str(tokens_per_block), "--dtype", dtype,
+        "--requests", requests, "--rounds", str(rounds), "--json", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"{ctx} -> {gen}: {result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    count = len(requests.split(",")) * rounds
+    assert summary["requests"] == summary["verified"] == count, summary
+    assert summary["mismatched_elements"] == 0 and summary["ctx_errors"] == {}, summary
+    return summary
+
+
+def _bytes(layers: int, heads: int, dim: int, itemsize: int, tokens_per_block: int, requests: str, rounds: int) -> int:
+    blocks = sum(-(-int(n) // tokens_per_block) for n in requests.split(","))
+    return blocks * tokens_per_block * layers * 2 * heads * dim * itemsize * rounds
+
+
+GRID = [f"tp={tp},pp={pp}" for tp, pp in itertools.product((1, 2), (1, 2))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize(("ctx", "gen"), list(itertools.product(GRID, GRID)))
+def test_tp_pp_grid(ctx: str, gen: str, dtype: str) -> None:
+    summary = _run(ctx, gen, dtype=dtype)
+    itemsize = 4 if dtype == "float32" else 1
+    assert summary["bytes"] == _bytes(4, 4, 4, itemsize, 16, "30,10,60,80", 2)  # every byte once, none twice
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "layers", "heads", "tokens_per_block"),
+    [
+        ("tp=4", "pp=4", 8, 4, 8),
+        ("pp=4", "pp=4", 10, 4, 16),
+        ("tp=4", "pp=4", 10, 4, 16),
+        ("pp=2", "pp=1", 16, 16, 16),
+        ("pp=2", "pp=4", 16, 16, 16),
+        ("pp=4,layers=1:4:3:2", "pp=2,layers=7:3", 10, 4, 16),
+    ],
+)
+def test_pp_and_tp_mismatches(ctx: str, gen: str, layers: int, heads: int, tokens_per_block: int) -> None:
+    _run(ctx, gen, layers=layers, heads=heads, tokens_per_block=tokens_per_block)
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "heads"),
+    [
+        ("tp=2,dp=1", "tp=2", 4),  # attention DP on the ctx side
+        ("tp=2", "tp=2,dp=1,pp=2", 4),  # attention DP on the gen side
+        ("tp=2,dp=1", "tp=2,dp=1", 4),
+        ("tp=4", "tp=2", 2),  # fewer kv heads than TP ranks: one duplicate serves each reader
+        ("tp=2", "tp=4,pp=2", 1),
+        ("cp=2,tp=2", "cp=3", 4),  # context parallel on both sides, a 1-block request leaves a CP rank empty
+    ],
+)
+def test_attention_dp_duplicated_heads_and_cp(ctx: str, gen: str, heads: int) -> None:
+    _run(ctx, gen, heads=heads)
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen"),
+    [
+        ("tp=2,layout=block_major", "layout=nhd"),
+        ("layout=nhd", "tp=2,layout=block_major"),
+        ("tp=2,layout=hnd", "tp=2,pp=2,layout=nhd"),
+    ],
+)
+def test_block_major_and_per_layer_pools_meet(ctx: str, gen: str) -> None:
+    _run(ctx, gen)
