@@ -4,8 +4,9 @@ For each ctx peer (``topology.peer_slices``) the gen rank takes the overlap of t
 reads it straight from the ctx pool into the gen pool: both layouts enumerate *units* (a head's tokens of a
 block where heads are inner, a whole (layer, kv) chunk for NHD), both sides list the box's units in the same
 logical order, and NIXL merges entries contiguous on both sides into long runs. Where the runs would be
-shorter than ``DIRECT_MIN_RUN_BYTES``, or where the two layouts order heads and tokens differently, staged
-mode packs the box on the ctx side into a staging slot, reads it as one run and unpacks it.
+shorter than ``direct_min_run_bytes`` (CacheTransceiverConfig), or where the two layouts order heads and
+tokens differently, staged mode packs the box on the ctx side into a staging slot, reads it as one run and
+unpacks it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ from nixl_kv.topology import (
     share,
 )
 from nixl_kv.views import gather, scatter
-
-# Below this many contiguous bytes per run, packing on the ctx side and one long READ beat many short READs.
-# Chosen by measurement (see CHANGELOG / BENCHMARKS): posting a scattered entry costs about 5 us.
-DIRECT_MIN_RUN_BYTES = 4096
 
 
 class StandardFormatter(Formatter):
@@ -129,7 +126,7 @@ class StandardFormatter(Formatter):
         box = Box(piece.layers, piece.heads, piece.blocks)
         nbytes = self.box_bytes(request.self_state.cache, box)
         run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
-        if run >= DIRECT_MIN_RUN_BYTES:
+        if run and run >= request.direct_min_run_bytes:
             local = _local_units(local_layout, box, mine, local_blocks)
             remote = _local_units(remote_layout, box, theirs, remote_blocks)
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR

@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--rounds", type=int, default=1)
     pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pair.add_argument("--timeout-ms", type=int, default=None, help="gen-side transfer deadline")
+    pair.add_argument(
+        "--direct-min-run-bytes",
+        type=int,
+        default=8192,
+        help="stage transfers whose direct runs are shorter (0: direct wherever possible; huge: always staged)",
+    )
     pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return parser
 
@@ -73,6 +79,7 @@ def _pair(args: argparse.Namespace) -> int:
         num_blocks=1,
         device=args.device,
         timeout_ms=args.timeout_ms,
+        direct_min_run_bytes=args.direct_min_run_bytes,
     )
     options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
     try:

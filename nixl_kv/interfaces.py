@@ -151,6 +151,7 @@ class ReadRequest:
     num_tokens: int
     peer_dp_rank: int = 0
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
+    direct_min_run_bytes: int = 8192  # shorter contiguous runs are staged instead (see CacheTransceiverConfig)
 
 
 class Formatter(ABC):

@@ -52,6 +52,7 @@ class InstanceSpec:
     lease_ms: int = 60_000
     timeout_ms: int | None = None
     max_tokens_in_buffer: int = 8192
+    direct_min_run_bytes: int = 8192
 
     @property
     def world_size(self) -> int:
@@ -120,6 +121,7 @@ class Instance:
             lease_ms=spec.lease_ms,
             kv_transfer_timeout_ms=spec.timeout_ms,
             max_tokens_in_buffer=spec.max_tokens_in_buffer,
+            direct_min_run_bytes=spec.direct_min_run_bytes,
         )
         self.transceiver = CacheTransceiver(self.cache, spec.cache_state(comm.rank), config, comm)
         self.requests: list[TransferRequest] = []

@@ -82,8 +82,10 @@ class CacheReceiver:
         formatter: Formatter,
         staging: CacheTransBufferManager,
         timeout_ms: int | None,
+        direct_min_run_bytes: int,
         max_peers: int = 256,
     ) -> None:
+        self._direct_min_run_bytes = direct_min_run_bytes
         self._loop = loop
         self._cache = cache
         self._self_state = self_state
@@ -150,6 +152,7 @@ class CacheReceiver:
                 num_tokens=params.num_tokens,
                 peer_dp_rank=params.ctx_dp_rank,
                 stage_bytes=self._stage_bytes(ctx_state),
+                direct_min_run_bytes=self._direct_min_run_bytes,
             )
         )
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens

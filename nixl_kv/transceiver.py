@@ -106,7 +106,14 @@ class CacheTransceiver:
         )
         self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging)
         self._receiver = CacheReceiver(
-            self._loop, cache, self.state, self._comm.rank, formatter, self._staging, self.config.kv_transfer_timeout_ms
+            self._loop,
+            cache,
+            self.state,
+            self._comm.rank,
+            formatter,
+            self._staging,
+            self.config.kv_transfer_timeout_ms,
+            self.config.direct_min_run_bytes,
         )
         self._ctx = _Pending()
         self._gen = _Pending()

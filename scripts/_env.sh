@@ -11,8 +11,12 @@ fi
 stamp="$VENV/.nixl_kv_installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   echo "[setup] installing nixl-kv and its test extras (nixl brings torch: about a minute the first time)" >&2
-  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  log="$VENV/install.log"
+  if ! { "$VENV/bin/python" -m pip install -q --upgrade pip && "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "[setup] installation failed (log above, also in $log)" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
