@@ -1,17 +1,26 @@
-"""CacheTransceiverConfig: the knobs of the reference's config, in Python style."""
+"""CacheTransceiverConfig: the knobs of the reference's config, in Python style, with NIXL_KV_ overrides."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+ENV_PREFIX = "NIXL_KV_"
 
 
 @dataclass(frozen=True)
 class CacheTransceiverConfig:
     """
-    backend: transfer agent name in the registry (NIXL).
+    backend: transfer agent name in the registry (NIXL), or DEFAULT: chosen by the environment (the first
+        ``NIXL_KV_USE_<NAME>=1`` of a registered agent), else NIXL.
     max_tokens_in_buffer: tokens of this rank's share one staging slot holds (staged transfers).
     num_staging_slots: staging slots per rank (staged transfers in flight at once).
-    kv_transfer_timeout_ms: deadline of a transfer from its start; None means the lease bounds it.
+    kv_transfer_timeout_ms: deadline of a transfer from its start, checked by the status checks: observe-only
+        (logged, counted) unless ``enable_inflight_cancel``, which cancels a timed-out transfer on every rank of
+        its sync group and ends it in error. Independently, no gen transfer outlives the ctx lease.
     kv_transfer_sender_future_timeout_ms: how long a ctx status check waits on one transfer when asked for progress.
     kv_transfer_poll_interval_ms: how long a gen status check waits for progress.
     lease_ms: how long the ctx side keeps a request's blocks pinned for its readers.
@@ -19,6 +28,8 @@ class CacheTransceiverConfig:
         (0: direct wherever the layouts allow it; a huge value: always staged). 8 KiB by measurement:
         scripts/bench_direct_vs_staged.sh on the 2-core CPU machine, ctx TP2 -> gen TP4, had staged ahead at
         4 KiB runs (1.22 against 1.02 GB/s) and direct ahead from 8 KiB (1.87 against 0.97 GB/s).
+    enable_inflight_cancel: see ``kv_transfer_timeout_ms`` (needs it set; status checks must then be finite).
+    time_output_path: a folder for per-rank CSV transfer summaries (both sides); empty for none.
     """
 
     backend: str = "NIXL"
@@ -29,3 +40,51 @@ class CacheTransceiverConfig:
     kv_transfer_poll_interval_ms: int | None = None
     lease_ms: int = 60_000
     direct_min_run_bytes: int = 8192
+    enable_inflight_cancel: bool = False
+    time_output_path: str = ""
+
+    def __post_init__(self) -> None:
+        positive = ("max_tokens_in_buffer", "num_staging_slots", "lease_ms")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1, got {getattr(self, name)}")
+        optional = ("kv_transfer_timeout_ms", "kv_transfer_sender_future_timeout_ms", "kv_transfer_poll_interval_ms")
+        for name in optional:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
+        if self.direct_min_run_bytes < 0:
+            raise ValueError("CacheTransceiverConfig.direct_min_run_bytes must not be negative")
+        if self.enable_inflight_cancel and self.kv_transfer_timeout_ms is None:
+            raise ValueError("enable_inflight_cancel needs kv_transfer_timeout_ms: a finite deadline to act on")
+
+    @classmethod
+    def from_env(cls, base: CacheTransceiverConfig | None = None, environ: Mapping[str, str] | None = None):
+        """``base`` (or the defaults) with every field overridden by ``NIXL_KV_<FIELD>`` where set."""
+        environ = os.environ if environ is None else environ
+        base = base or cls()
+        hints = typing.get_type_hints(cls)
+        changes = {}
+        for spec in dataclasses.fields(cls):
+            name = ENV_PREFIX + spec.name.upper()
+            if name in environ:
+                changes[spec.name] = _parse(name, environ[name], hints[spec.name])
+        return dataclasses.replace(base, **changes)
+
+
+def _parse(name: str, text: str, hint: object) -> object:
+    value = text.strip()
+    if hint is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{name}: expected 1/0/true/false, got {text!r}")
+    if hint is str:
+        return value
+    if value.lower() in ("", "none") and type(None) in typing.get_args(hint):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {text!r}") from None

@@ -1,9 +1,10 @@
 """CacheReceiver: the gen side. Checks the ctx state, plans, pulls from each ctx peer, waits for the verdicts.
 
 A request completes only when every READ finished and every ctx peer confirmed the blocks were still pinned
-when the read finished (DESIGN §5.6). It fails, always within its deadline, when a check refuses the pairing,
-a READ fails, a peer refuses, or the deadline passes; an in-flight READ is cancelled then, and if the agent
-cannot cancel it the destination (pool blocks or staging slot) is reported poisoned.
+when the read finished (DESIGN §5.6). It fails when a check refuses the pairing, a READ fails, a peer refuses,
+it is cancelled, or the ctx lease it was given runs out (no request outlives it); an in-flight READ is
+cancelled then, and if the agent cannot cancel it the destination (pool blocks or staging slot) is reported
+poisoned.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class CacheReceiver:
         self_rank: int,
         formatter: Formatter,
         staging: CacheTransBufferManager,
-        timeout_ms: int | None,
         direct_min_run_bytes: int,
         max_peers: int = 256,
     ) -> None:
@@ -92,7 +92,6 @@ class CacheReceiver:
         self._self_rank = self_rank
         self._formatter = formatter
         self._staging = staging
-        self._timeout_ms = timeout_ms
         self._max_peers = max_peers
         self._views = pool_views(cache.layout)
         self._lock = threading.Lock()
@@ -158,7 +157,7 @@ class CacheReceiver:
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
         request.num_tokens = params.num_tokens
         request.transfer_bytes = sum(read.nbytes for read in plan)
-        budget_ms = params.lease_ms if self._timeout_ms is None else min(self._timeout_ms, params.lease_ms)
+        budget_ms = params.lease_ms  # the ctx side releases the blocks then: reading later cannot succeed
         key = (ctx_state.instance_id, params.request_id)
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
         incoming = _Incoming(key, request, ctx_state, num_blocks, request.transfer_start + budget_ms / 1000, future)

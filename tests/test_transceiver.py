@@ -199,8 +199,8 @@ def test_gen_cancel_and_cancel_after_completion(pair_factory) -> None:
     assert not pair.gen.transceiver.cancel_request(unknown)
 
 
-def test_a_dead_ctx_instance_ends_the_gen_request_within_its_deadline(pair_factory) -> None:
-    pair = pair_factory(gen_config={"kv_transfer_timeout_ms": 300})
+def test_a_dead_ctx_instance_ends_the_gen_request_within_its_lease(pair_factory) -> None:
+    pair = pair_factory(ctx_config={"lease_ms": 300})
     ctx_request = pair.prefill(1, 30)
     pair.ctx.transceiver.close()  # the ctx agent is gone: nobody will answer
     start = time.monotonic()

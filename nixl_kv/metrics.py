@@ -1,0 +1,142 @@
+"""Transfer metrics: counters readable from Python, Prometheus export, and per-rank CSV summaries.
+
+Counters are per side (ctx, gen) of a transceiver. When ``prometheus_client`` is installed they are also
+exported as ``nixl_kv_*`` metrics labelled by side and instance. The CSV summary (one file per rank and side,
+under ``time_output_path``) gets a row per request whose outcome the sync group agreed on, with its timing
+merged across the ranks that took part (earliest start, latest end, bytes summed).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("bytes", "requests", "failures", "timeouts", "cancellations")
+
+
+@dataclass
+class SideCounters:
+    bytes: int = 0
+    requests: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    cancellations: int = 0
+    poisoned_slots: int = 0
+
+
+class _Prometheus:
+    """The process-wide Prometheus metrics, created once (None without prometheus_client)."""
+
+    _lock = threading.Lock()
+    _metrics: dict[str, Any] | None = None
+
+    @classmethod
+    def get(cls) -> dict[str, Any] | None:
+        with cls._lock:
+            if cls._metrics is None:
+                try:
+                    import prometheus_client as prom
+                except ImportError:
+                    cls._metrics = {}
+                    return None
+                labels = ("side", "instance")
+                cls._metrics = {
+                    name: prom.Counter(f"nixl_kv_{name}", f"KV transfer {name}", labels) for name in COUNTERS
+                }
+                cls._metrics["poisoned_slots"] = prom.Gauge("nixl_kv_poisoned_slots", "staging slots held back", labels)
+            return cls._metrics or None
+
+
+class TransferMetrics:
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self._lock = threading.Lock()
+        self._sides = {"ctx": SideCounters(), "gen": SideCounters()}
+
+    def add(self, side: str, **increments: int) -> None:
+        with self._lock:
+            counters = self._sides[side]
+            for name, value in increments.items():
+                setattr(counters, name, getattr(counters, name) + value)
+        prometheus = _Prometheus.get()
+        if prometheus:
+            for name, value in increments.items():
+                prometheus[name].labels(side, self.instance_id).inc(value)
+
+    def set_poisoned(self, side: str, count: int) -> None:
+        with self._lock:
+            self._sides[side].poisoned_slots = count
+        prometheus = _Prometheus.get()
+        if prometheus:
+            prometheus["poisoned_slots"].labels(side, self.instance_id).set(count)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {side: asdict(counters) for side, counters in self._sides.items()}
+
+
+@dataclass(frozen=True)
+class TransferTiming:
+    request_id: int
+    start_s: float
+    end_s: float
+    bytes: int
+
+
+class TransferSummary:
+    """``<path>/<instance>_<rank>_<side>_transfer_summary.csv``, opened on first use, flushed per check."""
+
+    HEADER = ("request_id", "start_s", "end_s", "transfer_ms", "bytes", "outcome")
+
+    def __init__(self, path: str, instance_id: str, rank: int, side: str) -> None:
+        self.file_path = os.path.join(path, f"{instance_id}_{rank}_{side}_transfer_summary.csv") if path else ""
+        self._handle: Any = None
+
+    def write(self, rows: list[tuple[TransferTiming, str]]) -> None:
+        if not self.file_path or not rows:
+            return
+        if self._handle is None:
+            os.makedirs(os.path.dirname(self.file_path), exist_ok=True)
+            self._handle = open(self.file_path, "w", newline="")  # noqa: SIM115 - kept open across checks
+            csv.writer(self._handle).writerow(self.HEADER)
+        writer = csv.writer(self._handle)
+        for timing, outcome in rows:
+            transfer_ms = (timing.end_s - timing.start_s) * 1000
+            writer.writerow(
+                (
+                    timing.request_id,
+                    f"{timing.start_s:.6f}",
+                    f"{timing.end_s:.6f}",
+                    f"{transfer_ms:.3f}",
+                    timing.bytes,
+                    outcome,
+                )
+            )
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def merge_timings(per_rank: list[list[TransferTiming]]) -> dict[int, TransferTiming]:
+    """Earliest start, latest end and summed bytes per request over the ranks that reported it."""
+    merged: dict[int, TransferTiming] = {}
+    for timings in per_rank:
+        for t in timings:
+            seen = merged.get(t.request_id)
+            merged[t.request_id] = (
+                t
+                if seen is None
+                else TransferTiming(
+                    t.request_id, min(seen.start_s, t.start_s), max(seen.end_s, t.end_s), seen.bytes + t.bytes
+                )
+            )
+    return merged

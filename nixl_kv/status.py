@@ -1,0 +1,197 @@
+"""Status checks of one side of a transceiver: local outcomes, deadlines, and the sync group's agreement.
+
+Semantics of the reference's checkContextTransferStatus / checkGenTransferStatus: ``at_least`` None blocks
+until every transfer is terminal (each is bounded by its lease), 0 is a pure poll, n > 0 waits up to the
+configured interval for n. A request is reported only once every rank of its sync group agrees. Deadlines
+(``kv_transfer_timeout_ms``) are observe-only unless in-flight cancellation is on: then a timeout seen by any
+rank is shared through the same agreement, and every rank cancels its part, so the request ends in error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+from nixl_kv.comm import CacheTransceiverComm
+from nixl_kv.consensus import ready_everywhere, reduce_in_stages
+from nixl_kv.metrics import TransferMetrics, TransferSummary, TransferTiming, merge_timings
+from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_SLICE_MS = 10
+
+
+def wait_interval_s(configured_ms: int | None, needs_progress: bool) -> float:
+    """How long one status check waits for progress (the reference's future wait interval)."""
+    if configured_ms is None:
+        wait_ms = DEFAULT_POLL_SLICE_MS
+    else:
+        wait_ms = configured_ms if needs_progress else min(configured_ms, DEFAULT_POLL_SLICE_MS)
+    return max(1, wait_ms) / 1000
+
+
+@dataclass
+class SideRules:
+    """How one side checks: who must agree, how long to wait, how to cancel, what 'done' means."""
+
+    side: str
+    select: CacheTransceiverComm  # ranks that must all be ready before a request is collected
+    agree: list[CacheTransceiverComm]  # groups reduced in turn to agree on outcomes
+    done_state: RequestState
+    wait_ms: int | None
+    timeout_ms: int | None
+    inflight_cancel: bool
+    block_limit_s: float  # a blocking check gives up on a future after this long (beyond every deadline)
+    cancel: Callable[[int], bool]
+    clock_offset_s: float = 0.0  # this rank's monotonic clock -> rank 0's
+
+
+@dataclass
+class TransferTracker:
+    rules: SideRules
+    metrics: TransferMetrics
+    summary: TransferSummary
+    futures: dict[int, tuple[TransferRequest, Future]] = field(default_factory=dict)
+    awaiting: dict[int, TransferRequest] = field(default_factory=dict)
+    completed: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    timed_out: set[int] = field(default_factory=set)
+    cancel_requested: set[int] = field(default_factory=set)
+
+    def add(self, request: TransferRequest, future: Future) -> None:
+        self.futures[request.request_id] = (request, future)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self.futures
+
+    @property
+    def idle(self) -> bool:
+        return not self.futures and not self.awaiting
+
+    def check(self, at_least: int | None, mark_complete: bool) -> RequestStatuses:
+        rules = self.rules
+        blocking = at_least is None
+        if blocking and rules.inflight_cancel:
+            raise ValueError("in-flight cancellation needs finite status checks: pass at_least=0 to poll")
+        wait_s = wait_interval_s(rules.wait_ms, (at_least or 0) > 0)
+        if (at_least or 0) > 0:
+            self._wait_for_ready(at_least, wait_s)
+        self._watch_deadlines()
+        ready = [rid for rid, (_, future) in self.futures.items() if future.done()]
+        selected = set(self.futures) if blocking else ready_everywhere(rules.select, ready)
+        self._collect(selected, rules.block_limit_s if blocking else 0.0)
+        timed_out = self.timed_out if rules.inflight_cancel else set()
+        outcome = reduce_in_stages(rules.agree, self.completed, self.failed, timed_out)
+        if rules.inflight_cancel:
+            self._cancel_timed_out(outcome.timed_out)
+        return self._settle(outcome.completed, outcome.failed, mark_complete)
+
+    def _wait_for_ready(self, at_least: int, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            pending = [future for _, future in self.futures.values() if not future.done()]
+            remaining = deadline - time.monotonic()
+            if len(self.futures) - len(pending) >= at_least or not pending or remaining <= 0:
+                return
+            wait_futures(pending, timeout=remaining, return_when=FIRST_COMPLETED)
+
+    def _watch_deadlines(self) -> None:
+        limit_ms = self.rules.timeout_ms
+        if limit_ms is None:
+            return
+        now = time.monotonic()
+        for rid, (request, future) in self.futures.items():
+            elapsed_ms = ((request.transfer_end if future.done() else now) - request.transfer_start) * 1000
+            if elapsed_ms > limit_ms and rid not in self.timed_out:
+                self.timed_out.add(rid)
+                self.metrics.add(self.rules.side, timeouts=1)
+                action = "cancelling" if self.rules.inflight_cancel else "observe-only"
+                log.warning(
+                    "%s transfer of request %d exceeded its deadline: %.0f ms > %d ms (%s)",
+                    self.rules.side, rid, elapsed_ms, limit_ms, action,
+                )  # fmt: skip
+
+    def _collect(self, selected: set[int], wait_s: float) -> None:
+        for rid, (request, future) in list(self.futures.items()):
+            if rid not in selected:
+                continue
+            try:
+                future.result(timeout=wait_s)
+                error = None
+            except FutureTimeout:
+                if wait_s == 0.0:
+                    continue
+                error = f"no outcome within {wait_s:.1f} s"
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            del self.futures[rid]
+            self.awaiting[rid] = request
+            if error is None:
+                self.completed.add(rid)
+            else:
+                request.error = error
+                self.failed.add(rid)
+                self.completed.discard(rid)
+
+    def _cancel_timed_out(self, timed_out: set[int]) -> None:
+        for rid in timed_out:
+            self.timed_out.add(rid)  # remembered even before this rank registers the request
+            entry = self.futures.get(rid)
+            if entry is None or entry[1].done() or rid in self.cancel_requested:
+                continue
+            try:
+                accepted = self.rules.cancel(rid)
+            except Exception as exc:  # retried on the next check
+                log.error("%s cancellation of request %d failed: %s", self.rules.side, rid, exc)
+                accepted = False
+            if accepted:
+                self.cancel_requested.add(rid)
+                self.metrics.add(self.rules.side, cancellations=1)
+
+    def _settle(self, completed: set[int], failed: set[int], mark_complete: bool) -> RequestStatuses:
+        statuses = RequestStatuses()
+        rows: list[tuple[TransferRequest, str]] = []
+        for rid in sorted(failed):
+            request = self._forget(rid)
+            if request is not None:
+                request.fail(request.error or "a rank of the sync group failed this transfer")
+                statuses.error_request_ids.add(rid)
+                rows.append((request, "error"))
+        for rid in sorted(completed):
+            request = self._forget(rid)
+            if request is not None:
+                statuses.completed_request_ids.add(rid)
+                if mark_complete:
+                    request.state = self.rules.done_state
+                rows.append((request, "completed"))
+        self._record(rows)
+        return statuses
+
+    def _forget(self, rid: int) -> TransferRequest | None:
+        for ids in (self.completed, self.failed, self.timed_out, self.cancel_requested):
+            ids.discard(rid)
+        return self.awaiting.pop(rid, None)
+
+    def _record(self, rows: list[tuple[TransferRequest, str]]) -> None:
+        """Merge timings over the sync group (one collective per check) and count, log and summarise them."""
+        offset = self.rules.clock_offset_s
+        mine = [
+            TransferTiming(r.request_id, r.transfer_start + offset, r.transfer_end + offset, r.transfer_bytes)
+            for r, _ in rows
+        ]
+        gathered = [mine]
+        for comm in self.rules.agree:
+            if comm.size > 1:
+                gathered = comm.allgather([t for timings in gathered for t in timings])
+        merged = merge_timings(gathered)
+        failures = sum(outcome == "error" for _, outcome in rows)
+        if rows:
+            done_bytes = sum(merged[r.request_id].bytes for r, outcome in rows if outcome == "completed")
+            self.metrics.add(self.rules.side, requests=len(rows) - failures, failures=failures, bytes=done_bytes)
+        self.summary.write([(merged[r.request_id], outcome) for r, outcome in rows])
