@@ -44,6 +44,7 @@ class StandardFormatter(Formatter):
                 ("kv heads per layer", _heads(self_state), _heads(peer_state)),
                 ("head_dim", self_state.model.head_dim, peer_state.model.head_dim),
                 ("tokens_per_block", self_state.model.tokens_per_block, peer_state.model.tokens_per_block),
+                ("attention_window", self_state.model.attention_window, peer_state.model.attention_window),
             )
             if mine != theirs
         ]
@@ -75,20 +76,30 @@ class StandardFormatter(Formatter):
             )
         _check_range("gen block id", local_blocks[: len(mine.blocks)], request.self_layout.num_blocks)
         gen_dp_rank = position(gen.parallel, request.self_rank).tp_rank
+        first = self.first_needed_block(gen, num_blocks, request.first_block)
+        slices = peer_slices(
+            gen.parallel, request.self_rank, ctx.parallel, heads, num_blocks, request.peer_dp_rank, first
+        )
         reads = []
-        for piece in peer_slices(
-            gen.parallel, request.self_rank, ctx.parallel, heads, num_blocks, request.peer_dp_rank
-        ):
+        for piece in slices:
             theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
             remote_ids = self._peer_blocks(request, piece.peer_rank, theirs)
             readers = reader_ranks(
-                ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank
+                ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first
             )
             reads.append(self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids, len(readers)))
-        return reads + self._unneeded(request, heads, num_blocks, gen_dp_rank)
+        return reads + self._unneeded(request, heads, num_blocks, gen_dp_rank, first)
 
     @staticmethod
-    def _unneeded(request: ReadRequest, heads: int, num_blocks: int, gen_dp_rank: int) -> list[PeerRead]:
+    def first_needed_block(state: CacheState, num_blocks: int, reused_blocks: int) -> int:
+        """Blocks before this are not moved: the gen side holds them (prefix reuse) or they fall outside the
+        sliding window (only the last ``window / tokens_per_block + 1`` blocks are attended)."""
+        window = state.model.attention_window
+        outside = max(0, num_blocks - (window // state.model.tokens_per_block + 1)) if window else 0
+        return min(num_blocks, max(reused_blocks, outside))
+
+    @staticmethod
+    def _unneeded(request: ReadRequest, heads: int, num_blocks: int, gen_dp_rank: int, first: int) -> list[PeerRead]:
         """On the first gen rank of the request: the ctx ranks holding part of it that no gen rank reads."""
         gen, ctx = request.self_state.cache.parallel, request.peer_state.cache.parallel
         first = next(rank for rank in range(gen.world_size) if holds_request(gen, rank, gen_dp_rank))
@@ -98,7 +109,7 @@ class StandardFormatter(Formatter):
             PeerRead(peer_rank=rank, expected_readers=0, nbytes=0)
             for rank in range(ctx.world_size)
             if holds_request(ctx, rank, request.peer_dp_rank)
-            and not reader_ranks(ctx, rank, gen, heads, num_blocks, request.peer_dp_rank, gen_dp_rank)
+            and not reader_ranks(ctx, rank, gen, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first)
         ]
 
     def _peer_blocks(self, request: ReadRequest, peer_rank: int, theirs: Share) -> np.ndarray:

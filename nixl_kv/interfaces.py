@@ -150,6 +150,7 @@ class ReadRequest:
     local_block_ids: np.ndarray
     num_tokens: int
     peer_dp_rank: int = 0
+    first_block: int = 0  # blocks before it are not read (already held: prefix reuse; outside the window)
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
     direct_min_run_bytes: int = 8192  # shorter contiguous runs are staged instead (see CacheTransceiverConfig)
 

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
 CLAIM_RETRY_S = 1e-3
+STUCK_RETRY_S = 0.1
 
 
 @dataclass
@@ -62,6 +63,17 @@ class _PeerPull:
 
 
 @dataclass
+class _Stuck:
+    """A READ the agent could not cancel: its destination stays poisoned (blocks pinned, slot held back)."""
+
+    key: RequestKey
+    request_id: int
+    handle: Any
+    slot: StagingSlot | None
+    retry_at: float = 0.0
+
+
+@dataclass
 class _Incoming:
     key: RequestKey
     request: TransferRequest
@@ -70,7 +82,7 @@ class _Incoming:
     deadline: float
     future: Future
     peers: list[_PeerPull] = field(default_factory=list)
-    started: bool = False
+    stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
 
 
 class CacheReceiver:
@@ -103,6 +115,7 @@ class CacheReceiver:
         self._peers: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
         self._loaded_agents: set[str] = set()
         self.poisoned: dict[RequestKey, str] = {}
+        self._stuck: list[_Stuck] = []
         layout = cache.layout
         self._metadata, self._local = loop.call(
             lambda: (loop.agent.metadata(), loop.agent.prepare(None, layout.unit_descriptors(), layout.pools[0].memory))
@@ -150,6 +163,7 @@ class CacheReceiver:
                 local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
                 num_tokens=params.num_tokens,
                 peer_dp_rank=params.ctx_dp_rank,
+                first_block=request.reused_blocks,
                 stage_bytes=self._stage_bytes(ctx_state),
                 direct_min_run_bytes=self._direct_min_run_bytes,
             )
@@ -165,6 +179,7 @@ class CacheReceiver:
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
                 raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
+            self._cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
             self._active[key] = incoming
             self._by_request[request.request_id] = key
 
@@ -192,7 +207,21 @@ class CacheReceiver:
                 self._advance(incoming, now)
             except NixlKvError as exc:
                 self._fail(incoming, str(exc))
+        self._retry_stuck(now)
         return bool(active)
+
+    def _retry_stuck(self, now: float) -> None:
+        """Release the destinations of uncancellable READs once the agent lets go of them."""
+        for stuck in [s for s in self._stuck if s.retry_at <= now]:
+            if not self._loop.agent.release_transfer(stuck.handle):
+                stuck.retry_at = now + STUCK_RETRY_S
+                continue
+            self._stuck.remove(stuck)
+            if stuck.slot is not None:
+                self._staging.clear_poison(stuck.slot)
+            if not any(s.key == stuck.key and s.request_id == stuck.request_id for s in self._stuck):
+                self.poisoned.pop(stuck.key, None)
+                self._cache.unpin(stuck.request_id)
 
     def _advance(self, incoming: _Incoming, now: float) -> None:
         for peer in incoming.peers:
@@ -395,6 +424,8 @@ class CacheReceiver:
             if current is not None and current.handle is not None:
                 if not self._loop.agent.release_transfer(current.handle):
                     self.poisoned[incoming.key] = f"READ from {peer.rank.agent_name} could not be cancelled ({reason})"
+                    self._stuck.append(_Stuck(incoming.key, incoming.request.request_id, current.handle, peer.slot))
+                    incoming.stuck = True
                     if peer.slot is not None:
                         self._staging.poison(peer.slot, reason)
                         peer.slot = None
@@ -430,6 +461,8 @@ class CacheReceiver:
             if peer.current is not None:
                 self._by_transfer.pop(peer.current.transfer_id, None)
         incoming.request.transfer_end = time.monotonic()
+        if not incoming.stuck:
+            self._cache.unpin(incoming.request.request_id)
         if failure is None:
             incoming.future.set_result(None)
         else:

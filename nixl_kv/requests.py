@@ -30,7 +30,8 @@ class TransferRequest:
     """One request on one side.
 
     ctx side: ``request_id`` and ``num_tokens`` in, ``context_phase_params`` out.
-    gen side: ``request_id`` (the gen server's own) and ``context_phase_params`` (bytes from the router) in.
+    gen side: ``request_id`` (the gen server's own) and ``context_phase_params`` (bytes from the router) in;
+    ``reused_blocks``: how many leading blocks the gen side already holds (prefix reuse), which do not move.
     """
 
     request_id: int
@@ -38,6 +39,7 @@ class TransferRequest:
     context_phase_params: bytes | None = None
     first_gen_tokens: tuple[int, ...] = ()
     draft_tokens: tuple[int, ...] | None = None
+    reused_blocks: int = 0
     state: RequestState = RequestState.CONTEXT_INIT
     error: str | None = None
     transfer_start: float = 0.0

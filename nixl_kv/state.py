@@ -47,6 +47,7 @@ class ModelConfig:
     num_kv_heads_per_layer: tuple[int, ...] = field(metadata=bounds(1, MAX_HEADS, max_items=MAX_LAYERS))
     head_dim: int = small(1 << 16)
     tokens_per_block: int = small(1 << 16)
+    attention_window: int = field(default=0, metadata=bounds(0, MAX_TOKENS))  # tokens; 0: full attention
 
     @property
     def num_layers(self) -> int:

@@ -111,14 +111,16 @@ def peer_slices(
     num_heads: int,
     num_blocks: int,
     holder_dp_rank: int,
+    first_block: int = 0,
 ) -> tuple[PeerSlice, ...]:
     """The holder ranks a reader reads from, with what it takes from each (the reference's targetIRanks).
 
     Each needed (layer, head, block) comes from exactly one holder rank: where heads are duplicated over
     holder TP ranks, the reader's TP rank picks the duplicate, which spreads readers over them. Ordered TP
-    fastest, then CP, then PP.
+    fastest, then CP, then PP. Blocks before ``first_block`` are not needed (prefix reuse, sliding window).
     """
     mine = share(reader, reader_rank, num_heads, num_blocks)
+    mine = Share(mine.layers, mine.heads, _overlap(mine.blocks, range(first_block, num_blocks)))
     reader_tp = position(reader, reader_rank).tp_rank
     duplication = 1 if holder.enable_attention_dp else head_duplication(holder, num_heads)
     found = []
@@ -149,13 +151,14 @@ def reader_ranks(
     num_blocks: int,
     holder_dp_rank: int,
     reader_dp_rank: int,
+    first_block: int = 0,
 ) -> tuple[int, ...]:
     """The reader ranks that read from one holder rank, ordered TP fastest, then CP, then PP."""
     found = []
     for rank in range(reader.world_size):
         if not holds_request(reader, rank, reader_dp_rank):
             continue
-        slices = peer_slices(reader, rank, holder, num_heads, num_blocks, holder_dp_rank)
+        slices = peer_slices(reader, rank, holder, num_heads, num_blocks, holder_dp_rank, first_block)
         if any(piece.peer_rank == holder_rank for piece in slices):
             where = position(reader, rank)
             found.append((where.tp_rank, where.cp_rank, where.pp_rank, rank))
