@@ -80,6 +80,11 @@ class StandardFormatter(Formatter):
         slices = peer_slices(
             gen.parallel, request.self_rank, ctx.parallel, heads, num_blocks, request.peer_dp_rank, first
         )
+        if request.only_peer is not None:
+            slices = tuple(piece for piece in slices if piece.peer_rank == request.only_peer)
+        if request.layers is not None:
+            slices = tuple(_restrict(piece, request.layers) for piece in slices)
+            slices = tuple(piece for piece in slices if len(piece.layers))
         reads = []
         for piece in slices:
             theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
@@ -88,6 +93,8 @@ class StandardFormatter(Formatter):
                 ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first
             )
             reads.append(self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids, len(readers)))
+        if request.only_peer is not None:
+            return reads
         return reads + self._unneeded(request, heads, num_blocks, gen_dp_rank, first)
 
     @staticmethod
@@ -146,6 +153,7 @@ class StandardFormatter(Formatter):
                 peer_rank=piece.peer_rank,
                 expected_readers=readers,
                 nbytes=nbytes,
+                layers=piece.layers,
                 local_indices=local_layout.unit_indices(
                     local.block_ids, local.layers, None if whole_chunks else local.heads, block_first
                 ),
@@ -153,7 +161,7 @@ class StandardFormatter(Formatter):
                     remote.block_ids, remote.layers, None if whole_chunks else remote.heads, block_first
                 ),
             )
-        return PeerRead(piece.peer_rank, readers, nbytes, pieces=self._pieces(request, box))
+        return PeerRead(piece.peer_rank, readers, nbytes, layers=piece.layers, pieces=self._pieces(request, box))
 
     def _pieces(self, request: ReadRequest, box: Box) -> tuple[Box, ...]:
         per_block = self.box_bytes(request.self_state.cache, Box(box.layers, box.heads, range(1)))
@@ -198,6 +206,11 @@ class StandardFormatter(Formatter):
 
 def _heads(state: CacheState) -> int:
     return state.model.num_kv_heads_per_layer[0]
+
+
+def _restrict(piece: PeerSlice, layers: range) -> PeerSlice:
+    overlap = range(max(piece.layers.start, layers.start), min(piece.layers.stop, layers.stop))
+    return PeerSlice(piece.peer_rank, overlap, piece.heads, piece.blocks)
 
 
 def _shift(values: range, start: int) -> range:

@@ -129,6 +129,7 @@ class PeerRead:
     peer_rank: int
     expected_readers: int
     nbytes: int
+    layers: range = range(0)  # the global layers this read covers
     local_indices: np.ndarray | None = None
     remote_indices: np.ndarray | None = None
     pieces: tuple[Box, ...] = ()
@@ -151,6 +152,8 @@ class ReadRequest:
     num_tokens: int
     peer_dp_rank: int = 0
     first_block: int = 0  # blocks before it are not read (already held: prefix reuse; outside the window)
+    layers: range | None = None  # plan only these global layers (layer-wise steps)
+    only_peer: int | None = None  # plan only the reads from this ctx rank
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
     direct_min_run_bytes: int = 8192  # shorter contiguous runs are staged instead (see CacheTransceiverConfig)
 

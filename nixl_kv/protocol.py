@@ -7,7 +7,9 @@ answers ``StageGrant`` (or a refusal, possibly worth retrying); the gen rank REA
 as notification, and the ctx rank frees the slot and answers ``ReadVerdict``. ``final`` marks a reader's last
 READ of the request: the ctx rank counts readers, not READs. A gen rank whose READ failed sends
 ``ReadDone(failed=True)`` so the ctx rank need not wait for its lease to run out, and ``NoReaders`` tells a
-ctx rank that holds part of a request no gen rank needs.
+ctx rank that holds part of a request no gen rank needs. Layer-wise requests: the gen rank sends
+``LayerWatch``; the ctx rank answers ``LayersReady`` now and whenever more of its layers are computed, and
+the gen rank reads each group of ready layers as its own step.
 """
 
 from __future__ import annotations
@@ -80,3 +82,21 @@ class NoReaders:
     ctx_instance_id: str
     request_id: int
     reader_metadata: bytes
+
+
+@dataclass(frozen=True)
+class LayerWatch:
+    """A gen rank asks a ctx rank to announce its layer-wise progress on a request (``LayersReady``)."""
+
+    ctx_instance_id: str
+    request_id: int
+    reader_metadata: bytes
+
+
+@dataclass(frozen=True)
+class LayersReady:
+    """Global layers below ``ready_below`` that the ctx rank holds are computed and may be read."""
+
+    ctx_instance_id: str
+    request_id: int
+    ready_below: int = field(metadata=bounds(0, MAX_LAYERS))

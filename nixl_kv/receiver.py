@@ -9,6 +9,7 @@ poisoned.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,7 +27,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
+from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
 from nixl_kv.views import pool_views
@@ -51,15 +52,34 @@ class _Transfer:
 
 @dataclass
 class _PeerPull:
-    """Everything this gen rank takes from one ctx rank, advanced step by step by the progress loop."""
+    """Everything this gen rank takes from one ctx rank, advanced step by step by the progress loop.
 
-    plan: PeerRead
+    ``plan`` is the step being read: the whole slice, or for layer-wise requests the layers that were ready
+    when it was planned (``planned_below`` tracks how far the steps reach, ``ready_below`` what the peer
+    announced)."""
+
+    full: PeerRead
     rank: RankCommInfo
+    plan: PeerRead | None = None
     next_piece: int = 0
     current: _Transfer | None = None
     slot: StagingSlot | None = None
     retry_at: float = 0.0
     done: bool = False
+    layerwise: bool = False
+    watching: bool = False
+    ready_below: int = 0
+    planned_below: int = 0
+
+    def __post_init__(self) -> None:
+        if self.layerwise:
+            self.planned_below = self.full.layers.start
+        else:
+            self.plan = self.full
+
+    @property
+    def last_step(self) -> bool:
+        return not self.layerwise or self.planned_below >= self.full.layers.stop
 
 
 @dataclass
@@ -81,6 +101,7 @@ class _Incoming:
     num_blocks: int
     deadline: float
     future: Future
+    read_request: ReadRequest | None = None
     peers: list[_PeerPull] = field(default_factory=list)
     stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
 
@@ -122,6 +143,7 @@ class CacheReceiver:
         )
         loop.on_message(ReadVerdict, self._on_verdict)
         loop.on_message(StageGrant, self._on_grant)
+        loop.on_message(LayersReady, self._on_layers_ready)
         loop.add_ticker(self._tick)
 
     def receive_async(self, request: TransferRequest) -> Future:
@@ -153,29 +175,33 @@ class CacheReceiver:
         self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
         if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
             raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
-        plan = self._formatter.plan(
-            ReadRequest(
-                self_state=self._self_state,
-                self_rank=self._self_rank,
-                self_layout=self._cache.layout,
-                peer_state=ctx_state,
-                peer_block_ids=params.block_ids,
-                local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
-                num_tokens=params.num_tokens,
-                peer_dp_rank=params.ctx_dp_rank,
-                first_block=request.reused_blocks,
-                stage_bytes=self._stage_bytes(ctx_state),
-                direct_min_run_bytes=self._direct_min_run_bytes,
-            )
+        read_request = ReadRequest(
+            self_state=self._self_state,
+            self_rank=self._self_rank,
+            self_layout=self._cache.layout,
+            peer_state=ctx_state,
+            peer_block_ids=params.block_ids,
+            local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
+            num_tokens=params.num_tokens,
+            peer_dp_rank=params.ctx_dp_rank,
+            first_block=request.reused_blocks,
+            stage_bytes=self._stage_bytes(ctx_state),
+            direct_min_run_bytes=self._direct_min_run_bytes,
         )
+        plan = self._formatter.plan(read_request)
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
         request.num_tokens = params.num_tokens
         request.transfer_bytes = sum(read.nbytes for read in plan)
         budget_ms = params.lease_ms  # the ctx side releases the blocks then: reading later cannot succeed
         key = (ctx_state.instance_id, params.request_id)
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
-        incoming = _Incoming(key, request, ctx_state, num_blocks, request.transfer_start + budget_ms / 1000, future)
-        incoming.peers = [_PeerPull(read, ctx_state.comm.ranks[read.peer_rank]) for read in plan]
+        deadline = request.transfer_start + budget_ms / 1000
+        incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
+        layerwise = params.layerwise
+        incoming.peers = [
+            _PeerPull(read, ctx_state.comm.ranks[read.peer_rank], layerwise=layerwise and read.expected_readers > 0)
+            for read in plan
+        ]
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
                 raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
@@ -239,7 +265,7 @@ class CacheReceiver:
     def _peer_step(peer: _PeerPull) -> str:
         current = peer.current
         if current is None:
-            return "not started"
+            return f"waiting for layers from {peer.planned_below}" if peer.layerwise else "not started"
         if peer.plan.staged and current.grant is None:
             return "waiting for a stage grant"
         return "READ in flight" if not current.finished else "waiting for the ctx confirmation"
@@ -247,6 +273,8 @@ class CacheReceiver:
     def _advance_peer(self, incoming: _Incoming, peer: _PeerPull, now: float) -> None:
         current = peer.current
         if current is None:
+            if peer.plan is None and not self._next_step(incoming, peer):
+                return
             if now >= peer.retry_at:
                 self._begin(incoming, peer)
             return
@@ -271,11 +299,31 @@ class CacheReceiver:
         self._by_transfer.pop(current.transfer_id, None)
         peer.current = None
         peer.next_piece += 1
-        peer.done = not peer.plan.staged or peer.next_piece == len(peer.plan.pieces)
+        if not peer.plan.staged or peer.next_piece == len(peer.plan.pieces):
+            peer.plan, peer.next_piece = None, 0
+            peer.done = peer.last_step
+
+    def _next_step(self, incoming: _Incoming, peer: _PeerPull) -> bool:
+        """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
+        if not peer.watching:
+            self._connect(peer.rank)
+            watch = LayerWatch(incoming.key[0], incoming.key[1], self._metadata)
+            self._loop.agent.notify(peer.rank.agent_name, wire.encode(watch))
+            peer.watching = True
+            return False
+        upper = min(peer.ready_below, peer.full.layers.stop)
+        if upper <= peer.planned_below:
+            return False
+        step = dataclasses.replace(
+            incoming.read_request, layers=range(peer.planned_below, upper), only_peer=peer.full.peer_rank
+        )
+        (peer.plan,) = self._formatter.plan(step)
+        peer.planned_below = upper
+        return True
 
     def _begin(self, incoming: _Incoming, peer: _PeerPull) -> None:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
-        if peer.plan.expected_readers == 0:
+        if peer.full.expected_readers == 0:
             self._connect(peer.rank)
             message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
@@ -284,7 +332,7 @@ class CacheReceiver:
         transfer = _Transfer(next(self._transfer_ids))
         if not peer.plan.staged:
             remote = self._remote_descriptors(peer.rank)
-            notification = self._read_done(incoming, peer, transfer, final=True)
+            notification = self._read_done(incoming, peer, transfer, final=peer.last_step)
             transfer.handle = self._loop.agent.read(
                 self._local, peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
@@ -328,7 +376,7 @@ class CacheReceiver:
             raise TransferError(f"{peer.rank.agent_name} granted memory outside its staging buffer")
         if grant.nbytes > peer.slot.region.nbytes:
             raise TransferError(f"{peer.rank.agent_name} granted {grant.nbytes} bytes, the local slot holds less")
-        last = peer.next_piece == len(peer.plan.pieces) - 1
+        last = peer.last_step and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
         current.handle = self._loop.agent.read_ranges(
@@ -355,7 +403,7 @@ class CacheReceiver:
                 request_id=incoming.key[1],
                 transfer_id=transfer.transfer_id,
                 reader_metadata=self._metadata,
-                expected_readers=peer.plan.expected_readers,
+                expected_readers=peer.full.expected_readers,
                 final=final,
             )
         )
@@ -398,6 +446,15 @@ class CacheReceiver:
         if transfer is not None:
             transfer.grant = grant
 
+    def _on_layers_ready(self, sender: str, message: LayersReady) -> None:
+        with self._lock:
+            incoming = self._active.get((message.ctx_instance_id, message.request_id))
+        if incoming is None:
+            return
+        for peer in incoming.peers:
+            if peer.rank.agent_name == sender:
+                peer.ready_below = max(peer.ready_below, message.ready_below)
+
     def _owned_transfer(self, sender: str, transfer_id: int, request_id: int) -> _Transfer | None:
         found = self._by_transfer.get(transfer_id)
         if found is None:
@@ -433,7 +490,8 @@ class CacheReceiver:
             if peer.slot is not None:
                 self._staging.release(peer.slot)
                 peer.slot = None
-            if not peer.done and peer.plan.expected_readers and (current is not None or peer.next_piece > 0):
+            started = current is not None or peer.next_piece > 0 or peer.watching
+            if not peer.done and peer.full.expected_readers and started:
                 self._tell_ctx_failed(incoming, peer, current, reason)
         self._end(incoming, reason)
 
@@ -443,7 +501,7 @@ class CacheReceiver:
             request_id=incoming.key[1],
             transfer_id=current.transfer_id if current is not None else 0,
             reader_metadata=self._metadata,
-            expected_readers=peer.plan.expected_readers,
+            expected_readers=peer.full.expected_readers,
             final=True,
             failed=True,
             reason=reason[:512],

@@ -24,9 +24,11 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.protocol import NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
+from nixl_kv.progress import ContextProgress
+from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import CacheState, ContextPhaseParams
+from nixl_kv.topology import layer_range, position
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class _Outgoing:
     future: Future
     expected_readers: int | None = None
     finished_readers: dict[str, str] = field(default_factory=dict)  # reader -> failure, "" when ok
+    progress: ContextProgress | None = None  # layer-wise requests: per-layer readiness
+    watchers: set[str] = field(default_factory=set)  # readers told about layer readiness
+    announced: int = -1  # the last ready_below sent to the watchers
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,22 @@ class CacheSender:
         loop.on_message(ReadDone, self._on_read_done)
         loop.on_message(StageClaim, self._on_stage_claim)
         loop.on_message(NoReaders, self._on_no_readers)
+        loop.on_message(LayerWatch, self._on_layer_watch)
+        self._first_layer = layer_range(
+            context.cache_state.parallel, position(context.cache_state.parallel, context.rank).pp_rank
+        ).start
         loop.add_ticker(self._tick)
 
-    def send_async(self, request: TransferRequest, block_ids_per_cp: tuple[tuple[int, ...], ...]) -> Future:
-        """Pin the request's blocks and serve them; the future ends when its readers are done or the lease ends."""
+    def send_async(
+        self,
+        request: TransferRequest,
+        block_ids_per_cp: tuple[tuple[int, ...], ...],
+        progress: ContextProgress | None = None,
+    ) -> Future:
+        """Pin the request's blocks and serve them; the future ends when its readers are done or the lease ends.
+
+        With ``progress`` the request is layer-wise: readers learn which layers are ready and read them as
+        they become so, while prefill goes on."""
         future: Future = Future()
         blocks = np.asarray(self._cache.pin(request.request_id), dtype=np.int64)
         params = ContextPhaseParams(
@@ -93,6 +110,7 @@ class CacheSender:
             ctx_dp_rank=self._context.cache_state.parallel.dp_rank,
             first_gen_tokens=request.first_gen_tokens,
             draft_tokens=request.draft_tokens,
+            layerwise=progress is not None,
         )
         request.transfer_start = time.monotonic()
         request.transfer_bytes = len(blocks) * self._cache.layout.block_bytes
@@ -102,7 +120,9 @@ class CacheSender:
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
                 raise ValueError(f"request {request.request_id} is already being sent")
-            self._outgoing[request.request_id] = _Outgoing(request, blocks, num_blocks, deadline, future)
+            self._outgoing[request.request_id] = _Outgoing(
+                request, blocks, num_blocks, deadline, future, progress=progress
+            )
         request.context_phase_params = wire.encode(params)
         return future
 
@@ -150,6 +170,8 @@ class CacheSender:
         if entry is None:
             return refuse(f"request {claim.request_id} is not pinned here (unknown, finished, cancelled or expired)")
         box = Box(range(*claim.layers), range(*claim.heads), range(*claim.blocks))
+        if box.layers.stop > self._ready_below(entry):
+            return refuse(f"layers up to {box.layers.stop} are not computed yet", retry=True)
         try:
             local = self._formatter.localize(
                 self._context.cache_state, self._context.rank, box, entry.num_blocks, entry.block_ids
@@ -165,6 +187,32 @@ class CacheSender:
         return StageGrant(
             self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
         )
+
+    def _on_layer_watch(self, reader: str, message: LayerWatch) -> None:
+        if not self._reachable(reader, message.reader_metadata) or message.ctx_instance_id != self._context.instance_id:
+            return
+        with self._lock:
+            entry = self._outgoing.get(message.request_id)
+            if entry is None or entry.progress is None:
+                return
+            entry.watchers.add(reader)
+        self._announce(entry, [reader])
+
+    def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
+        ready = LayersReady(
+            self._context.instance_id, entry.request.request_id, self._first_layer + entry.progress.layers_ready
+        )
+        for reader in readers:
+            try:
+                self._loop.agent.notify(reader, wire.encode(ready))
+            except AgentError as exc:
+                log.warning("could not tell %s about ready layers of request %d: %s", reader, ready.request_id, exc)
+
+    def _ready_below(self, entry: _Outgoing) -> int:
+        """Global layers below this are ready (all of them for requests that are not layer-wise)."""
+        if entry.progress is None:
+            return 1 << 30
+        return self._first_layer + entry.progress.layers_ready
 
     def _on_no_readers(self, reader: str, message: NoReaders) -> None:
         if message.ctx_instance_id != self._context.instance_id:
@@ -247,6 +295,10 @@ class CacheSender:
             expired = [rid for rid, entry in self._outgoing.items() if entry.lease_deadline <= now]
             entries = [self._outgoing.pop(rid) for rid in expired]
             busy = bool(self._outgoing)
+            layerwise = [e for e in self._outgoing.values() if e.watchers and e.progress.layers_ready != e.announced]
+        for entry in layerwise:
+            entry.announced = entry.progress.layers_ready
+            self._announce(entry, sorted(entry.watchers))
         for entry in entries:
             self._finish(
                 entry,

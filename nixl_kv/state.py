@@ -182,6 +182,7 @@ class ContextPhaseParams:
     ctx_dp_rank: int = field(default=0, metadata=bounds(0, MAX_RANKS))
     first_gen_tokens: tuple[int, ...] = field(default=(), metadata=bounds(0, (1 << 32) - 1, max_items=1 << 16))
     draft_tokens: tuple[int, ...] | None = field(default=None, metadata=bounds(0, (1 << 32) - 1, max_items=1 << 16))
+    layerwise: bool = False  # the ctx side announces per-layer readiness; read each layer when it is ready
 
     def problems(self) -> list[str]:
         return [] if self.block_ids else ["block_ids needs one list per ctx CP rank"]

@@ -23,6 +23,7 @@ from nixl_kv.config import ENV_PREFIX, CacheTransceiverConfig
 from nixl_kv.errors import NixlKvError
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
+from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
 from nixl_kv.registry import AGENTS, agent_class, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
@@ -166,13 +167,22 @@ class CacheTransceiver:
     # --- ctx side -----------------------------------------------------------------------------------------
     def respond_and_send_async(self, request: TransferRequest) -> None:
         """Pin the request's blocks, set its ContextPhaseParams, and serve its readers in the background."""
+        self._respond(request, RequestState.CONTEXT_TRANS_IN_PROGRESS, None)
+
+    def respond_and_send_layer_wise(self, requests: list[TransferRequest], progress: ContextProgress) -> None:
+        """Like ``respond_and_send_async`` while prefill is still running: readers pull each layer as soon
+        as ``progress`` marks it done, so the transfer overlaps the rest of the prefill."""
+        for request in requests:
+            self._respond(request, RequestState.CONTEXT_INIT_AND_TRANS, progress)
+
+    def _respond(self, request: TransferRequest, state: RequestState, progress: ContextProgress | None) -> None:
         if request.request_id in self._ctx:
             log.warning("request %d is already responding", request.request_id)
             return
-        request.state = RequestState.CONTEXT_TRANS_IN_PROGRESS
+        request.state = state
         blocks = tuple(int(b) for b in self._cache.block_ids(request.request_id))
         per_cp = tuple(self._cp_group.allgather(blocks))  # collective: every rank responds in the same order
-        self._ctx.add(request, self._sender.send_async(request, per_cp))
+        self._ctx.add(request, self._sender.send_async(request, per_cp, progress))
 
     def check_context_transfer_status(
         self, at_least: int | None = None, mark_complete: bool = False
