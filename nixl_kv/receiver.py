@@ -490,12 +490,17 @@ class CacheReceiver:
             if peer.slot is not None:
                 self._staging.release(peer.slot)
                 peer.slot = None
-            started = current is not None or peer.next_piece > 0 or peer.watching
-            if not peer.done and peer.full.expected_readers and started:
+            if not peer.done and peer.full.expected_readers:
                 self._tell_ctx_failed(incoming, peer, current, reason)
         self._end(incoming, reason)
 
     def _tell_ctx_failed(self, incoming: _Incoming, peer: _PeerPull, current: _Transfer | None, reason: str) -> None:
+        """So the ctx rank releases the request now rather than at the end of its lease."""
+        try:
+            self._connect(peer.rank)
+        except AgentError as exc:
+            log.info("could not reach %s to report request %s failed: %s", peer.rank.agent_name, incoming.key, exc)
+            return
         message = ReadDone(
             ctx_instance_id=incoming.key[0],
             request_id=incoming.key[1],
