@@ -109,8 +109,8 @@ class StandardFormatter(Formatter):
     def _unneeded(request: ReadRequest, heads: int, num_blocks: int, gen_dp_rank: int, first: int) -> list[PeerRead]:
         """On the first gen rank of the request: the ctx ranks holding part of it that no gen rank reads."""
         gen, ctx = request.self_state.cache.parallel, request.peer_state.cache.parallel
-        first = next(rank for rank in range(gen.world_size) if holds_request(gen, rank, gen_dp_rank))
-        if request.self_rank != first:
+        first_rank = next(rank for rank in range(gen.world_size) if holds_request(gen, rank, gen_dp_rank))
+        if request.self_rank != first_rank:
             return []
         return [
             PeerRead(peer_rank=rank, expected_readers=0, nbytes=0)

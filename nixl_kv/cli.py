@@ -42,7 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--requests", type=_requests, default=(256, 777, 1500, 3000))
     pair.add_argument("--rounds", type=int, default=1)
     pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    pair.add_argument("--timeout-ms", type=int, default=None, help="gen-side transfer deadline")
+    pair.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=None,
+        help="gen-side transfer deadline, enforced with in-flight cancellation (timed-out requests end in error)",
+    )
+    pair.add_argument(
+        "--layerwise", action="store_true", help="ctx responds layer-wise while prefill marks layers done"
+    )
+    pair.add_argument(
+        "--reuse-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the gen side already holds the first N blocks of every request: only the rest moves",
+    )
     pair.add_argument(
         "--direct-min-run-bytes",
         type=int,
@@ -67,6 +82,9 @@ def _pair(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         print("nixl-kv pair: --device cuda is not supported yet", file=sys.stderr)
         return 2
+    if args.reuse_prefix < 0 or (args.timeout_ms is not None and args.timeout_ms < 1):
+        print("nixl-kv pair: --reuse-prefix must be >= 0 and --timeout-ms >= 1", file=sys.stderr)
+        return 2
     if min(args.layers, args.kv_heads, args.head_dim, args.tokens_per_block, args.rounds) < 1:
         print("nixl-kv pair: layers, kv heads, head dim, tokens per block and rounds must be >= 1", file=sys.stderr)
         return 2
@@ -80,6 +98,8 @@ def _pair(args: argparse.Namespace) -> int:
         device=args.device,
         timeout_ms=args.timeout_ms,
         direct_min_run_bytes=args.direct_min_run_bytes,
+        layerwise=args.layerwise,
+        reuse_prefix_blocks=args.reuse_prefix,
     )
     options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
     try:

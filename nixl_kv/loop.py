@@ -105,7 +105,10 @@ class ProgressLoop:
         except WireFormatError as exc:
             log.warning("dropped a malformed notification from %s: %s", sender, exc)
             return
-        self._handlers[type(message)](sender, message)
+        try:
+            self._handlers[type(message)](sender, message)
+        except Exception:  # one bad message must not cost the others in the batch
+            log.exception("handling %s from %s failed", type(message).__name__, sender)
 
     @staticmethod
     def _execute(function: Callable[[], Any], future: Future) -> None:

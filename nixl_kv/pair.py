@@ -204,7 +204,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     """Run the pair; ``progress(text)`` is called as work advances."""
     say = progress or (lambda _text: None)
     blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
-    ctx_spec = options.ctx.instance(options.model, blocks)
+    ctx_spec = replace(options.ctx.instance(options.model, blocks), timeout_ms=None)  # a gen-side deadline
     gen_spec = options.gen.instance(options.model, blocks)
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import logging
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.fill import Slice, count_mismatches, expected
 from nixl_kv.layout import LayoutKind, MemoryKind
+from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig
 from nixl_kv.topology import Share, holds_request, share
@@ -53,6 +56,8 @@ class InstanceSpec:
     timeout_ms: int | None = None
     max_tokens_in_buffer: int = 8192
     direct_min_run_bytes: int = 8192
+    layerwise: bool = False  # ctx: respond layer-wise and mark one layer done every LAYER_STEP_S
+    reuse_prefix_blocks: int = 0  # gen: already holds this many leading blocks of every request
 
     @property
     def world_size(self) -> int:
@@ -120,6 +125,7 @@ class Instance:
         config = CacheTransceiverConfig(
             lease_ms=spec.lease_ms,
             kv_transfer_timeout_ms=spec.timeout_ms,
+            enable_inflight_cancel=spec.timeout_ms is not None,
             max_tokens_in_buffer=spec.max_tokens_in_buffer,
             direct_min_run_bytes=spec.direct_min_run_bytes,
         )
@@ -155,18 +161,24 @@ class Instance:
 
     # --- ctx ---------------------------------------------------------------------------------------------
     def send(self, requests: list[list[int]]) -> list[tuple[int, str]]:
-        params = []
+        """Prefill (fill) and respond; layer-wise, the batch's layers are then marked done one by one."""
+        batch = []
         for index, (request_id, num_tokens) in enumerate(requests):
             if not self.holds(index):
                 continue
             where = self.allocate(request_id, num_tokens)
             if where.num_tokens:
                 self.cache.write_tokens(request_id, expected(request_id, where, self.spec.data_type.itemsize))
-            request = TransferRequest(request_id, num_tokens=num_tokens)
-            self.transceiver.respond_and_send_async(request)
-            self.requests.append(request)
-            params.append((request_id, base64.b64encode(request.context_phase_params).decode()))
-        return params
+            batch.append(TransferRequest(request_id, num_tokens=num_tokens))
+        if self.spec.layerwise:
+            progress = ContextProgress(self.cache.num_layers)
+            self.transceiver.respond_and_send_layer_wise(batch, progress)
+            threading.Thread(target=_prefill_layers, args=(progress,), daemon=True).start()
+        else:
+            for request in batch:
+                self.transceiver.respond_and_send_async(request)
+        self.requests.extend(batch)
+        return [(r.request_id, base64.b64encode(r.context_phase_params).decode()) for r in batch]
 
     def settle(self) -> dict[int, str]:
         self.transceiver.check_context_transfer_status(None, mark_complete=True)
@@ -180,14 +192,18 @@ class Instance:
     def receive(self, items: list[list[Any]]) -> tuple[float, list[dict[str, Any]]]:
         """Items are (gen request id, ctx request id, tokens, params); this rank's share of all is pulled at once."""
         mine = []
-        for index, (gen_id, _, num_tokens, params) in enumerate(items):
+        for index, (gen_id, ctx_id, num_tokens, params) in enumerate(items):
             if self.holds(index):
                 where = self.allocate(gen_id, num_tokens)
-                mine.append((TransferRequest(gen_id, context_phase_params=base64.b64decode(params)), where))
+                self._hold_prefix(gen_id, ctx_id, where)
+                request = TransferRequest(
+                    gen_id, context_phase_params=base64.b64decode(params), reused_blocks=self.spec.reuse_prefix_blocks
+                )
+                mine.append((request, where))
         start = time.perf_counter()
         for request, _ in mine:
             self.transceiver.request_and_receive_async(request)
-        self.transceiver.check_gen_transfer_status(None)
+        self._wait_all(len(mine))
         seconds = time.perf_counter() - start
         results = []
         ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, _, _ in items}
@@ -210,11 +226,38 @@ class Instance:
             self._free(request.request_id)
         return seconds, results
 
+    def _hold_prefix(self, gen_id: int, ctx_id: int, where: Slice) -> None:
+        """Prefix reuse: the gen side already holds the first blocks (here: the content they must have)."""
+        held_tokens = self.spec.reuse_prefix_blocks * self.spec.tokens_per_block - where.token_start
+        count = min(max(0, held_tokens), where.num_tokens)
+        if count:
+            values = expected(ctx_id, dataclasses.replace(where, num_tokens=count), self.spec.data_type.itemsize)
+            self.cache.write_tokens(gen_id, values)
+
+    def _wait_all(self, count: int) -> None:
+        """Every request to a terminal state: one blocking check, or with in-flight cancellation, finite polls."""
+        if self.spec.timeout_ms is None:
+            self.transceiver.check_gen_transfer_status(None)
+            return
+        deadline = time.monotonic() + self.spec.lease_ms / 1000 + 5
+        while not self.transceiver.check_gen_transfer_complete() and time.monotonic() < deadline:
+            self.transceiver.check_gen_transfer_status(at_least=count)
+
     def _free(self, request_id: int) -> None:
         self.cache.free(request_id)
 
     def close(self) -> None:
         self.transceiver.close()
+
+
+LAYER_STEP_S = 0.002
+
+
+def _prefill_layers(progress: ContextProgress) -> None:
+    """Stands in for the model: one layer of the batch finishes every LAYER_STEP_S."""
+    for layer in range(progress.num_layers):
+        time.sleep(LAYER_STEP_S)
+        progress.mark_layer_done(layer)
 
 
 def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

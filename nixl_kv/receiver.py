@@ -196,6 +196,7 @@ class CacheReceiver:
         key = (ctx_state.instance_id, params.request_id)
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
         deadline = request.transfer_start + budget_ms / 1000
+        request.transfer_deadline = deadline
         incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
         layerwise = params.layerwise
         incoming.peers = [
@@ -233,6 +234,9 @@ class CacheReceiver:
                 self._advance(incoming, now)
             except NixlKvError as exc:
                 self._fail(incoming, str(exc))
+            except Exception as exc:  # a bug or an out-of-memory must end the request, never leave it half done
+                log.exception("request %s failed unexpectedly", incoming.key)
+                self._fail(incoming, f"{type(exc).__name__}: {exc}")
         self._retry_stuck(now)
         return bool(active)
 
@@ -287,11 +291,11 @@ class CacheReceiver:
                 raise TransferError(f"READ from {peer.rank.agent_name} failed")
             if status is TransferStatus.IN_PROGRESS:
                 return
-            current.finished = True
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
             if peer.plan.staged:
                 self._unpack(incoming, peer)
+            current.finished = True  # only once the bytes are in place
         if current.verdict is None:
             return
         if current.verdict:
@@ -339,7 +343,8 @@ class CacheReceiver:
         else:
             if peer.slot is None:
                 try:
-                    peer.slot = self._staging.acquire(incoming.key, incoming.deadline - time.monotonic(), 1)
+                    # no lease: the receiver itself returns the slot (or poisons it) when the piece ends
+                    peer.slot = self._staging.acquire(incoming.key, float("inf"), 1)
                 except BufferExhaustedError:
                     peer.retry_at = time.monotonic() + CLAIM_RETRY_S
                     return
@@ -374,8 +379,12 @@ class CacheReceiver:
             staging.address <= grant.address and grant.address + grant.nbytes <= staging.address + staging.nbytes
         ):
             raise TransferError(f"{peer.rank.agent_name} granted memory outside its staging buffer")
-        if grant.nbytes > peer.slot.region.nbytes:
-            raise TransferError(f"{peer.rank.agent_name} granted {grant.nbytes} bytes, the local slot holds less")
+        box_bytes = self._formatter.box_bytes(self._self_state.cache, peer.plan.pieces[peer.next_piece])
+        if grant.nbytes != box_bytes or grant.nbytes > peer.slot.region.nbytes:
+            raise TransferError(
+                f"{peer.rank.agent_name} granted {grant.nbytes} bytes for a {box_bytes}-byte box "
+                f"(local slot {peer.slot.region.nbytes} bytes)"
+            )
         last = peer.last_step and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
@@ -428,13 +437,18 @@ class CacheReceiver:
         self._connect(rank)
         prepared = self._loop.agent.prepare(rank.agent_name, rows, rank.layout.pools[0].memory)
         self._peers[key] = prepared
-        while len(self._peers) > self._max_peers:
-            (old_agent, _), old = self._peers.popitem(last=False)
-            self._loop.agent.release_prepared(old)
-            if all(agent != old_agent for agent, _ in self._peers):
-                self._loaded_agents.discard(old_agent)
-                self._loop.agent.forget_remote(old_agent)
+        self._evict_idle_peers()
         return prepared
+
+    def _evict_idle_peers(self) -> None:
+        """Beyond ``max_peers`` prepared lists, release the least recently used ones no active request reads."""
+        with self._lock:
+            busy = {peer.rank.agent_name for incoming in self._active.values() for peer in incoming.peers}
+        for key in [k for k in self._peers if k[0] not in busy][: max(0, len(self._peers) - self._max_peers)]:
+            self._loop.agent.release_prepared(self._peers.pop(key))
+            if all(agent != key[0] for agent, _ in self._peers):
+                self._loaded_agents.discard(key[0])
+                self._loop.agent.forget_remote(key[0])
 
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
         transfer = self._owned_transfer(sender, verdict.transfer_id, verdict.request_id)
@@ -443,7 +457,7 @@ class CacheReceiver:
 
     def _on_grant(self, sender: str, grant: StageGrant) -> None:
         transfer = self._owned_transfer(sender, grant.transfer_id, grant.request_id)
-        if transfer is not None:
+        if transfer is not None and transfer.grant is None:  # the first answer to a claim is the answer
             transfer.grant = grant
 
     def _on_layers_ready(self, sender: str, message: LayersReady) -> None:

@@ -43,6 +43,7 @@ class TransferRequest:
     state: RequestState = RequestState.CONTEXT_INIT
     error: str | None = None
     transfer_start: float = 0.0
+    transfer_deadline: float = 0.0  # monotonic; the transfer ends (in error if need be) by then
     transfer_end: float = 0.0
     transfer_bytes: int = 0
 

@@ -116,6 +116,7 @@ class CacheSender:
         request.transfer_bytes = len(blocks) * self._cache.layout.block_bytes
         num_blocks = -(-request.num_tokens // self._context.cache_state.model.tokens_per_block)
         deadline = request.transfer_start + self._context.lease_ms / 1000
+        request.transfer_deadline = deadline
         with self._lock:
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
@@ -172,6 +173,8 @@ class CacheSender:
         box = Box(range(*claim.layers), range(*claim.heads), range(*claim.blocks))
         if box.layers.stop > self._ready_below(entry):
             return refuse(f"layers up to {box.layers.stop} are not computed yet", retry=True)
+        if (reader, claim.transfer_id) in self._granted:
+            return refuse(f"transfer {claim.transfer_id} already holds a granted slot")
         try:
             local = self._formatter.localize(
                 self._context.cache_state, self._context.rank, box, entry.num_blocks, entry.block_ids
@@ -182,7 +185,12 @@ class CacheSender:
             return refuse(str(exc), retry=nbytes <= self._staging.slot_bytes)
         except NixlKvError as exc:
             return refuse(str(exc))
-        self._formatter.pack(self._cache.layout, self._views, local, slot.array)
+        try:
+            self._formatter.pack(self._cache.layout, self._views, local, slot.array)
+        except Exception as exc:  # out of memory on the device, say: the reader gets a refusal, the slot comes back
+            log.exception("packing request %d for %s failed", claim.request_id, reader)
+            self._staging.release(slot)
+            return refuse(f"packing failed: {type(exc).__name__}: {exc}")
         self._granted[(reader, claim.transfer_id)] = (claim.request_id, slot)
         return StageGrant(
             self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
@@ -215,7 +223,7 @@ class CacheSender:
         return self._first_layer + entry.progress.layers_ready
 
     def _on_no_readers(self, reader: str, message: NoReaders) -> None:
-        if message.ctx_instance_id != self._context.instance_id:
+        if message.ctx_instance_id != self._context.instance_id or not self._reachable(reader, message.reader_metadata):
             return
         with self._lock:
             entry = self._outgoing.get(message.request_id)
@@ -305,7 +313,8 @@ class CacheSender:
                 f"lease of {self._context.lease_ms} ms expired with {len(entry.finished_readers)} of "
                 f"{entry.expected_readers or '?'} readers done",
             )
-        return busy or bool(self._granted)
+        self._staging.expire_leases(now)  # a slot whose lease ran out while granted is poisoned, never reused
+        return busy
 
     def _finish(self, entry: _Outgoing, failure: str | None) -> None:
         """End a request: poison slots a reader may still read, unpin its blocks, resolve its future."""

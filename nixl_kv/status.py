@@ -25,6 +25,7 @@ from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_SLICE_MS = 10
+SAFETY_MARGIN_S = 5.0
 
 
 def wait_interval_s(configured_ms: int | None, needs_progress: bool) -> float:
@@ -34,6 +35,30 @@ def wait_interval_s(configured_ms: int | None, needs_progress: bool) -> float:
     else:
         wait_ms = configured_ms if needs_progress else min(configured_ms, DEFAULT_POLL_SLICE_MS)
     return max(1, wait_ms) / 1000
+
+
+def outcome_now(future: Future) -> str | None | bool:
+    """None if the transfer succeeded, its error, or False while it is still running."""
+    if not future.done():
+        return False
+    exception = future.exception()
+    return None if exception is None else f"{type(exception).__name__}: {exception}"
+
+
+def outcome_by_deadline(request: TransferRequest, future: Future, cancel: Callable[[int], bool]) -> str | None:
+    """Wait for the transfer until its own deadline (plus a margin); one that outlives it is cancelled."""
+    remaining = max(0.0, request.transfer_deadline - time.monotonic()) + SAFETY_MARGIN_S
+    try:
+        future.result(timeout=remaining)
+    except FutureTimeout:  # not reached unless a bug kept the transfer alive past its deadline
+        try:
+            cancel(request.request_id)
+        except Exception as exc:
+            log.error("cancelling request %d after its deadline failed: %s", request.request_id, exc)
+        return f"no outcome {SAFETY_MARGIN_S:.0f} s past the transfer's deadline; cancelled"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @dataclass
@@ -47,7 +72,6 @@ class SideRules:
     wait_ms: int | None
     timeout_ms: int | None
     inflight_cancel: bool
-    block_limit_s: float  # a blocking check gives up on a future after this long (beyond every deadline)
     cancel: Callable[[int], bool]
     clock_offset_s: float = 0.0  # this rank's monotonic clock -> rank 0's
 
@@ -85,7 +109,7 @@ class TransferTracker:
         self._watch_deadlines()
         ready = [rid for rid, (_, future) in self.futures.items() if future.done()]
         selected = set(self.futures) if blocking else ready_everywhere(rules.select, ready)
-        self._collect(selected, rules.block_limit_s if blocking else 0.0)
+        self._collect(selected, blocking)
         timed_out = self.timed_out if rules.inflight_cancel else set()
         outcome = reduce_in_stages(rules.agree, self.completed, self.failed, timed_out)
         if rules.inflight_cancel:
@@ -117,19 +141,13 @@ class TransferTracker:
                     self.rules.side, rid, elapsed_ms, limit_ms, action,
                 )  # fmt: skip
 
-    def _collect(self, selected: set[int], wait_s: float) -> None:
+    def _collect(self, selected: set[int], blocking: bool) -> None:
         for rid, (request, future) in list(self.futures.items()):
             if rid not in selected:
                 continue
-            try:
-                future.result(timeout=wait_s)
-                error = None
-            except FutureTimeout:
-                if wait_s == 0.0:
-                    continue
-                error = f"no outcome within {wait_s:.1f} s"
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            error = outcome_by_deadline(request, future, self.rules.cancel) if blocking else outcome_now(future)
+            if error is False:
+                continue
             del self.futures[rid]
             self.awaiting[rid] = request
             if error is None:

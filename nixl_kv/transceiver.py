@@ -13,14 +13,12 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import ENV_PREFIX, CacheTransceiverConfig
-from nixl_kv.errors import NixlKvError
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
 from nixl_kv.progress import ContextProgress
@@ -29,12 +27,10 @@ from nixl_kv.registry import AGENTS, agent_class, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
 from nixl_kv.sender import CacheSender, SenderContext
 from nixl_kv.state import CacheState, CommState, DataTransceiverState, RankCommInfo
-from nixl_kv.status import SideRules, TransferTracker
+from nixl_kv.status import SideRules, TransferTracker, outcome_by_deadline
 from nixl_kv.topology import position
 
 log = logging.getLogger(__name__)
-
-SAFETY_MARGIN_S = 5.0  # beyond a transfer's own deadline, before a blocking status check gives up on it
 
 
 def resolve_backend(name: str, environ: Mapping[str, str]) -> str:
@@ -110,7 +106,6 @@ class CacheTransceiver:
         )
         self.metrics = TransferMetrics(self.instance_id)
         offset = self._clock_offset()
-        lease_limit = self.config.lease_ms / 1000 + SAFETY_MARGIN_S
         common = {
             "timeout_ms": self.config.kv_transfer_timeout_ms,
             "inflight_cancel": self.config.enable_inflight_cancel,
@@ -118,7 +113,7 @@ class CacheTransceiver:
         self._ctx = TransferTracker(
             SideRules(
                 "ctx", self._tp_sync, [self._tp_sync, self._pp_sync], RequestState.CONTEXT_COMPLETE,
-                self.config.kv_transfer_sender_future_timeout_ms, block_limit_s=lease_limit,
+                self.config.kv_transfer_sender_future_timeout_ms,
                 cancel=self._sender.cancel, clock_offset_s=offset, **common,
             ),
             self.metrics,
@@ -127,7 +122,7 @@ class CacheTransceiver:
         self._gen = TransferTracker(
             SideRules(
                 "gen", self._gen_sync, [self._gen_sync], RequestState.GENERATION_TRANS_COMPLETE,
-                self.config.kv_transfer_poll_interval_ms, block_limit_s=lease_limit,
+                self.config.kv_transfer_poll_interval_ms,
                 cancel=self._receiver.cancel, clock_offset_s=offset, **common,
             ),
             self.metrics,
@@ -147,7 +142,8 @@ class CacheTransceiver:
         """Split the instance (rank order: TP fastest, then CP, then PP) into the groups that must agree on a
         request's outcome, as the reference does, and the CP group that shares a request's block lists.
 
-        ctx: the TP group (all ranks of a PP stage; under attention DP only the rank itself), then the PP group.
+        ctx: the TP group (all ranks of a PP stage; under attention DP the CP ranks of the request's TP rank),
+        then the PP group.
         gen: the whole instance (under attention DP, the ranks of the same DP rank).
         """
         parallel = cache_state.parallel
@@ -157,10 +153,9 @@ class CacheTransceiver:
         where = position(parallel, rank)
         pp_group = self._comm.split(rank % (parallel.tp * parallel.cp), rank)
         cp_group = self._comm.split(where.pp_rank * parallel.tp + where.tp_rank, rank)
-        if parallel.enable_attention_dp:
-            tp_in_dp = self._comm.split(rank, rank)
+        if parallel.enable_attention_dp:  # a request lives on one TP rank: its CP ranks agree, then its PP ranks
             dp_group = self._comm.split(where.tp_rank, rank)
-            return tp_in_dp, pp_group, dp_group, cp_group
+            return cp_group, pp_group, dp_group, cp_group
         tp_group = self._comm.split(where.pp_rank, rank)
         return tp_group, pp_group, self._comm, cp_group
 
@@ -202,15 +197,11 @@ class CacheTransceiver:
     def request_and_receive_sync(self, request: TransferRequest) -> None:
         """Pull the request's KV and return when it is verified (or has failed: see ``request.state``)."""
         request.state = RequestState.GENERATION_TRANS_IN_PROGRESS
-        future = self._receiver.receive_async(request)
-        try:
-            future.result(timeout=self.config.lease_ms / 1000 + SAFETY_MARGIN_S)
-        except FutureTimeout:
-            request.fail("no outcome within the lease")  # not reached: the receiver ends every request by then
-        except Exception as exc:
-            request.fail(f"{type(exc).__name__}: {exc}")
-        else:
+        error = outcome_by_deadline(request, self._receiver.receive_async(request), self._receiver.cancel)
+        if error is None:
             request.state = RequestState.GENERATION_TRANS_COMPLETE
+        else:
+            request.fail(error)
 
     def check_gen_transfer_status(self, at_least: int | None = None) -> RequestStatuses:
         """Like the ctx check; completed requests move to GENERATION_TRANS_COMPLETE."""
@@ -247,7 +238,7 @@ class CacheTransceiver:
         try:
             self._loop.call(self._receiver.close)
             self._sender.cancel_all()
-        except NixlKvError as exc:
+        except Exception as exc:  # closing goes on whatever failed
             log.warning("closing: %s", exc)
         finally:
             self._loop.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -286,3 +287,54 @@ def test_csv_summaries_on_both_sides(pair_factory, tmp_path: Path) -> None:
         assert all(row["outcome"] == "completed" and float(row["transfer_ms"]) > 0 for row in rows)
     assert pair.gen.transceiver.metrics.snapshot()["gen"]["requests"] == 2
     assert pair.gen.transceiver.metrics.snapshot()["gen"]["bytes"] == 5 * block
+
+
+# --- hostile or broken peers and bugs (regressions found in review) ------------------------------------------------
+def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_factory) -> None:
+    config = {"direct_min_run_bytes": 1 << 40}  # staged
+    pair = pair_factory(ctx_config=config, gen_config=config)
+    sender = pair.ctx.transceiver._sender
+    real_grant = sender._grant
+
+    def short_grant(reader, claim):  # a broken ctx: grants half of the packed box
+        grant = real_grant(reader, claim)
+        return dataclasses.replace(grant, nbytes=grant.nbytes // 2)
+
+    sender._grant = short_grant
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_sync(request)
+    assert request.state is RequestState.TRANS_ERROR and "granted" in request.error and "-byte box" in request.error
+
+
+def test_an_unexpected_error_while_unpacking_ends_the_request_in_error(pair_factory) -> None:
+    config = {"direct_min_run_bytes": 1 << 40}
+    pair = pair_factory(ctx_config=config, gen_config=config)
+    formatter = pair.gen.transceiver._receiver._formatter
+
+    def out_of_memory(*args: object) -> None:
+        raise MemoryError("device out of memory")
+
+    formatter.unpack = out_of_memory
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_sync(request)
+    assert request.state is RequestState.TRANS_ERROR and "MemoryError: device out of memory" in request.error
+    assert pair.gen.transceiver._staging.free_slots == pair.gen.transceiver.config.num_staging_slots
+
+
+def test_no_readers_from_an_agent_that_cannot_be_reached_is_ignored(pair_factory) -> None:
+    from nixl_kv import wire
+    from nixl_kv.protocol import NoReaders
+
+    pair = pair_factory()
+    ctx_request = pair.prefill(1, 40)
+    spoof = NoReaders(pair.ctx.transceiver.instance_id, 1, b"not metadata")
+    pair.ctx.transceiver._loop.call(lambda: pair.ctx.transceiver._sender._on_no_readers("intruder", spoof))
+    assert _poll_ctx_pending(pair) == 1  # still pinned for its real reader
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_sync(request)
+    assert request.state is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0
+    assert wire.decode(wire.encode(spoof), NoReaders) == spoof
+
+
+def _poll_ctx_pending(pair: Pair) -> int:
+    return pair.ctx.transceiver._sender.pending

@@ -69,3 +69,27 @@ def test_unsupported_runs_are_refused_clearly(args: list[str], message: str) -> 
 def test_bad_spec_is_a_usage_error() -> None:
     result = _pair("--ctx=tp=two", timeout_s=60)
     assert result.returncode == 2 and "--ctx" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--layerwise"], ["--reuse-prefix", "2"], ["--timeout-ms", "20000"], ["--layerwise", "--reuse-prefix", "1"]],
+)
+def test_pair_layerwise_reuse_and_deadline_options(extra: list[str]) -> None:
+    common = ["--layers", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16"]
+    result = _pair(*common, "--requests", "1,40,100", "--rounds", "2", "--json", *extra)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["verified"] == summary["requests"] == 6 and summary["mismatched_elements"] == 0
+    reused = int(extra[extra.index("--reuse-prefix") + 1]) if "--reuse-prefix" in extra else 0
+    blocks = sum(max(0, -(-n // 16) - reused) for n in (1, 40, 100))
+    assert summary["bytes"] == 2 * blocks * 16 * 4 * 2 * 2 * 16 * 2  # only the blocks the gen side lacks
+
+
+def test_pair_deadline_too_short_fails_cleanly() -> None:
+    # layers finish every 2 ms; a 1 ms deadline with in-flight cancellation ends requests in error, no hang
+    common = ["--layers", "8", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16"]
+    result = _pair(*common, "--requests", "200,200", "--layerwise", "--timeout-ms", "1", "--json")
+    assert result.returncode == 1
+    summary = _summary(result)
+    assert summary["failed"] == 2 and summary["verified"] == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nixl_kv.errors import NotSupportedError
@@ -91,3 +93,41 @@ def test_cp_on_both_sides_maps_block_ranges() -> None:
     assert got == [[(0, range(0, 4))], [(0, range(4, 5)), (1, range(5, 7))], [(1, range(7, 10))]]
     assert share(ctx, 1, 4, 1).blocks == range(1, 1)  # a one-block request leaves ctx CP rank 1 empty
     assert reader_ranks(ctx, 1, gen, 4, 1, 0, 0) == ()
+
+
+def _plan(gen: ParallelConfig, gen_rank: int, ctx: ParallelConfig, num_tokens: int, first_block: int, dp: int = 0):
+    """The standard formatter's plan for one gen rank, on made-up layouts (no agents needed)."""
+    import numpy as np
+
+    from formatters.standard import StandardFormatter
+    from nixl_kv.dtypes import DataType
+    from nixl_kv.interfaces import ReadRequest
+    from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
+    from nixl_kv.state import CacheState, CommState, DataTransceiverState, ModelConfig, RankCommInfo
+
+    def instance(parallel: ParallelConfig, name: str) -> DataTransceiverState:
+        state = CacheState(ModelConfig((4,) * 8, 4, 4), parallel, DataType.UINT8)
+        ranks = []
+        for rank in range(parallel.world_size):
+            held = share(parallel, rank, 4, 64)
+            layout = KVLayout(LayoutKind.BLOCK_MAJOR, 64, len(held.layers), 2, len(held.heads), 4, 4, 1,
+                              (MemoryRegion(1 << 20, 1 << 20, 0, MemoryKind.DRAM),))  # fmt: skip
+            ranks.append(RankCommInfo(f"{name}{rank}", b"md", layout))
+        return DataTransceiverState(name, state, CommState(tuple(ranks)))
+
+    gen_state, ctx_state = instance(gen, "gen"), instance(ctx, "ctx")
+    blocks = -(-num_tokens // 4)
+    per_cp = tuple(tuple(range(len(cp_block_range(blocks, ctx.cp, c)))) for c in range(ctx.cp))
+    layout = gen_state.comm.ranks[gen_rank].layout
+    request = ReadRequest(gen_state, gen_rank, layout, ctx_state, per_cp, np.arange(64), num_tokens)
+    request = dataclasses.replace(request, peer_dp_rank=dp, first_block=first_block, stage_bytes=1 << 20)
+    return StandardFormatter().plan(request)
+
+
+def test_ctx_ranks_left_without_readers_by_prefix_reuse_are_told_so_and_read_ones_are_not() -> None:
+    # 4 blocks over ctx CP 2: rank 0 holds blocks 0-1, rank 1 blocks 2-3; the gen side reuses the first 2
+    plan = _plan(parallel(), 0, parallel(cp=2), num_tokens=16, first_block=2)
+    assert [(p.peer_rank, p.expected_readers) for p in plan] == [(1, 1), (0, 0)]
+    # gen under attention DP, request on DP rank 1 (gen rank 1 is its first rank), ctx CP 2: both ctx ranks read
+    plan = _plan(parallel(tp=2, dp=True), 1, parallel(cp=2), num_tokens=16, first_block=0)
+    assert sorted((p.peer_rank, p.expected_readers) for p in plan) == [(0, 1), (1, 1)]
