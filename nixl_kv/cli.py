@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -79,8 +80,8 @@ def _pair(args: argparse.Namespace) -> int:
     if args.attention == "mla":
         print("nixl-kv pair: --attention mla is not supported yet", file=sys.stderr)
         return 2
-    if args.device == "cuda":
-        print("nixl-kv pair: --device cuda is not supported yet", file=sys.stderr)
+    if args.device == "cuda" and importlib.util.find_spec("cupy") is None:
+        print("nixl-kv pair: --device cuda needs cupy (pip install nixl-kv[gpu-cu12] or [gpu-cu13])", file=sys.stderr)
         return 2
     if args.reuse_prefix < 0 or (args.timeout_ms is not None and args.timeout_ms < 1):
         print("nixl-kv pair: --reuse-prefix must be >= 0 and --timeout-ms >= 1", file=sys.stderr)

@@ -205,7 +205,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     say = progress or (lambda _text: None)
     blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
     ctx_spec = replace(options.ctx.instance(options.model, blocks), timeout_ms=None)  # a gen-side deadline
-    gen_spec = options.gen.instance(options.model, blocks)
+    gen_spec = replace(options.gen.instance(options.model, blocks), gpu_base=ctx_spec.world_size)
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
     try:

@@ -28,6 +28,7 @@ from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.fill import Slice, count_mismatches, expected
 from nixl_kv.layout import LayoutKind, MemoryKind
+from nixl_kv.memory import allocate, array_module, region_of
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig
@@ -52,6 +53,7 @@ class InstanceSpec:
     layer_split: tuple[int, ...] = ()
     layout: str = LayoutKind.BLOCK_MAJOR.value
     device: str = "cpu"
+    gpu_base: int = 0  # with device cuda, rank r uses GPU (gpu_base + r) % GPU count
     lease_ms: int = 60_000
     timeout_ms: int | None = None
     max_tokens_in_buffer: int = 8192
@@ -93,7 +95,7 @@ class InstanceSpec:
             attention_type=AttentionType.DEFAULT,
         )
 
-    def build_cache(self, held: Share) -> PagedKVCache:
+    def build_cache(self, held: Share, device_id: int) -> PagedKVCache:
         return PagedKVCache(
             num_blocks=self.num_blocks,
             num_layers=len(held.layers),
@@ -102,8 +104,22 @@ class InstanceSpec:
             head_dim=self.head_dim,
             dtype=self.data_type,
             kind=LayoutKind(self.layout),
-            memory=MemoryKind.VRAM if self.device == "cuda" else MemoryKind.DRAM,
+            memory=self.memory,
+            device_id=device_id,
         )
+
+    @property
+    def memory(self) -> MemoryKind:
+        return MemoryKind.VRAM if self.device == "cuda" else MemoryKind.DRAM
+
+    def select_device(self, rank: int) -> int:
+        """The GPU this rank uses (made current), or 0 on the CPU."""
+        if self.device != "cuda":
+            return 0
+        cupy = array_module(MemoryKind.VRAM)
+        device_id = (self.gpu_base + rank) % cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(device_id).use()
+        return device_id
 
     def dp_rank_of(self, index: int) -> int:
         """With attention DP, request ``index`` of a round is served by DP rank ``index % tp``."""
@@ -121,7 +137,9 @@ class Instance:
     def __init__(self, role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
         self.role, self.spec, self.comm = role, spec, comm
         self.parallel = spec.parallel(comm.rank)
-        self.cache = spec.build_cache(self.share(spec.tokens_per_block))
+        self.device_id = spec.select_device(comm.rank)
+        self.xp = array_module(spec.memory)
+        self.cache = spec.build_cache(self.share(spec.tokens_per_block), self.device_id)
         config = CacheTransceiverConfig(
             lease_ms=spec.lease_ms,
             kv_transfer_timeout_ms=spec.timeout_ms,
@@ -168,7 +186,7 @@ class Instance:
                 continue
             where = self.allocate(request_id, num_tokens)
             if where.num_tokens:
-                self.cache.write_tokens(request_id, expected(request_id, where, self.spec.data_type.itemsize))
+                self.cache.write_tokens(request_id, expected(request_id, where, self.spec.data_type.itemsize, self.xp))
             batch.append(TransferRequest(request_id, num_tokens=num_tokens))
         if self.spec.layerwise:
             progress = ContextProgress(self.cache.num_layers)
@@ -212,7 +230,7 @@ class Instance:
             mismatched = 0
             if ok and where.num_tokens:
                 actual = self.cache.read_tokens(request.request_id, where.num_tokens)
-                mismatched = count_mismatches(actual, ctx_ids[request.request_id], where)
+                mismatched = count_mismatches(actual, ctx_ids[request.request_id], where, self.xp)
             results.append(
                 {
                     "request_id": ctx_ids[request.request_id],
@@ -231,7 +249,9 @@ class Instance:
         held_tokens = self.spec.reuse_prefix_blocks * self.spec.tokens_per_block - where.token_start
         count = min(max(0, held_tokens), where.num_tokens)
         if count:
-            values = expected(ctx_id, dataclasses.replace(where, num_tokens=count), self.spec.data_type.itemsize)
+            values = expected(
+                ctx_id, dataclasses.replace(where, num_tokens=count), self.spec.data_type.itemsize, self.xp
+            )
             self.cache.write_tokens(gen_id, values)
 
     def _wait_all(self, count: int) -> None:
@@ -287,14 +307,17 @@ def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 class RawReadBaseline:
     """A plain NIXL READ of one descriptor between the two processes: the ceiling ours is compared with."""
 
-    def __init__(self, role: str, nbytes: int) -> None:
+    def __init__(self, role: str, nbytes: int, memory: MemoryKind, device_id: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.agent = nixl_agent(f"pair-baseline-{role}-{time.time_ns()}", config)
-        self.buffer = np.ones(nbytes, dtype=np.uint8)
-        self.row = (self.buffer.ctypes.data, nbytes, 0)
-        self.registration = self.agent.register_memory([(*self.row, "")], "DRAM")
+        self.memory = memory.value
+        self.buffer = allocate((nbytes,), np.dtype(np.uint8), memory, device_id)
+        self.buffer.fill(1)
+        region = region_of(self.buffer, memory, device_id)
+        self.row = (region.address, nbytes, device_id)
+        self.registration = self.agent.register_memory([(*self.row, "")], self.memory)
 
     def describe(self) -> None:
         emit(op="baseline_source", metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(), row=self.row)
@@ -308,8 +331,8 @@ class RawReadBaseline:
 
     def read(self, metadata: str, row: list[int], repeats: int) -> None:
         peer = self.agent.add_remote_agent(base64.b64decode(metadata))
-        remote = self.agent.prep_xfer_dlist(peer, np.array([row], dtype=np.uint64), "DRAM")
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([self.row], dtype=np.uint64), "DRAM")
+        remote = self.agent.prep_xfer_dlist(peer, np.array([row], dtype=np.uint64), self.memory)
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([self.row], dtype=np.uint64), self.memory)
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -361,12 +384,12 @@ def serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                         results=merge_results([r for _, r in gathered]),
                     )
             elif lead and op == "baseline_source":
-                baseline = RawReadBaseline(role, command["nbytes"])
+                baseline = RawReadBaseline(role, command["nbytes"], spec.memory, instance.device_id)
                 baseline.describe()
             elif lead and op == "baseline_serve" and baseline is not None:
                 baseline.serve(command["repeats"])
             elif lead and op == "baseline_read":
-                baseline = RawReadBaseline(role, command["row"][1])
+                baseline = RawReadBaseline(role, command["row"][1], spec.memory, instance.device_id)
                 baseline.read(command["metadata"], command["row"], command["repeats"])
             elif op == "quit":
                 break
