@@ -1,0 +1,50 @@
+"""GPU pools (VRAM, cupy) end to end: ctx and gen in separate processes, one GPU each where there are two.
+
+Run on the GPU machine (scripts/gpu_check.sh); skipped where cupy or a GPU is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+try:
+    GPUS = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # no driver, no device
+    GPUS = 0
+if GPUS == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def _pair(*args: str) -> dict:
+    command = [sys.executable, "-m", "nixl_kv.cli", "pair", "--device", "cuda", "--json", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["verified"] == summary["requests"] and summary["mismatched_elements"] == 0, summary
+    return summary
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
+def test_same_layout_direct(dtype: str) -> None:
+    _pair("--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--dtype", dtype, "--requests", "1,100,1000")
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen"),
+    [("tp=2", "tp=1"), ("tp=1", "tp=2,pp=2"), ("layout=block_major", "layout=nhd"), ("tp=2,layout=hnd", "layout=nhd")],
+)
+def test_mismatched_layouts_staged_with_cupy_kernels(ctx: str, gen: str) -> None:
+    common = ("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--tokens-per-block", "16")
+    _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,33,200", "--rounds", "2")
+
+
+def test_layerwise_and_prefix_reuse_on_vram() -> None:
+    _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--layerwise")
+    _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--reuse-prefix", "1")
