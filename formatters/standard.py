@@ -18,6 +18,7 @@ import numpy as np
 from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind
+from nixl_kv.memory import on_device
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import (
     PeerSlice,
@@ -147,6 +148,16 @@ class StandardFormatter(Formatter):
         if run and run >= request.direct_min_run_bytes:
             local = _local_units(local_layout, box, mine, local_blocks)
             remote = _local_units(remote_layout, box, theirs, remote_blocks)
+            if _whole_segments(local_layout, remote_layout, piece, mine, theirs):
+                return PeerRead(
+                    peer_rank=piece.peer_rank,
+                    expected_readers=readers,
+                    nbytes=nbytes,
+                    layers=piece.layers,
+                    local_indices=local_layout.segment_indices(local.block_ids, local.layers),
+                    remote_indices=remote_layout.segment_indices(remote.block_ids, remote.layers),
+                    coarse=True,
+                )
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
             whole_chunks = not local_layout.heads_inner
             return PeerRead(
@@ -193,15 +204,17 @@ class StandardFormatter(Formatter):
         return per_token * len(box.blocks) * state.model.tokens_per_block
 
     def pack(self, layout: KVLayout, views: list[Any], box: LocalBox, out: Any) -> int:
-        values = gather(layout, views, box.block_ids, box.layers, box.heads)
-        flat = values.reshape(-1).view(out.dtype)
-        out[: flat.size] = flat
+        with on_device(layout.pools[0]):
+            values = gather(layout, views, box.block_ids, box.layers, box.heads)
+            flat = values.reshape(-1).view(out.dtype)
+            out[: flat.size] = flat
         return int(flat.size)
 
     def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
         count = len(box.layers) * layout.kv_factor * len(box.heads) * len(box.block_ids) * layout.tokens_per_block
-        values = data[: count * layout.head_dim * layout.itemsize].view(views[0].dtype)
-        scatter(layout, views, box.block_ids, box.layers, box.heads, values)
+        with on_device(layout.pools[0]):
+            values = data[: count * layout.head_dim * layout.itemsize].view(views[0].dtype)
+            scatter(layout, views, box.block_ids, box.layers, box.heads, values)
 
 
 def _heads(state: CacheState) -> int:
@@ -220,6 +233,15 @@ def _shift(values: range, start: int) -> range:
 def _local_units(layout: KVLayout, box: Box, held: Share, block_ids: np.ndarray) -> LocalBox:
     positions = np.arange(box.blocks.start - held.blocks.start, box.blocks.stop - held.blocks.start)
     return LocalBox(block_ids[positions], _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+
+
+def _whole_segments(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine: Share, theirs: Share) -> bool:
+    """True when the slice is made of whole segments on both sides: one descriptor per block (or chunk)."""
+    if local.kind is not remote.kind or not len(piece.heads) == len(mine.heads) == len(theirs.heads):
+        return False
+    if local.kind is LayoutKind.BLOCK_MAJOR:
+        return len(piece.layers) == len(mine.layers) == len(theirs.layers)
+    return True
 
 
 def _direct_run_bytes(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine: Share, theirs: Share) -> int:

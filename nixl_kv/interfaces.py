@@ -132,6 +132,7 @@ class PeerRead:
     layers: range = range(0)  # the global layers this read covers
     local_indices: np.ndarray | None = None
     remote_indices: np.ndarray | None = None
+    coarse: bool = False  # the indices address whole segments (``KVLayout.unit_descriptors(coarse=True)``)
     pieces: tuple[Box, ...] = ()
 
     @property

@@ -111,11 +111,20 @@ class KVLayout:
         per_head = self.tokens_per_block * self.head_dim * self.itemsize
         return per_head if self.heads_inner else self.chunk_bytes
 
-    def unit_descriptors(self) -> np.ndarray:
-        """Strided NIXL rows, one per pool, enumerating every direct-read unit in memory order."""
-        units_per_pool = self.pool_bytes // self.unit_bytes
-        rows = [(pool.address, self.unit_bytes, pool.device_id, self.unit_bytes, units_per_pool) for pool in self.pools]
+    def unit_descriptors(self, coarse: bool = False) -> np.ndarray:
+        """Strided NIXL rows, one per pool, enumerating every direct-read unit in memory order; ``coarse``
+        units are whole segments (a block of all layers for BLOCK_MAJOR, a (layer, kv) chunk otherwise)."""
+        unit = self.segment_bytes if coarse else self.unit_bytes
+        rows = [(pool.address, unit, pool.device_id, unit, self.pool_bytes // unit) for pool in self.pools]
         return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+    def segment_indices(self, blocks: np.ndarray, layers: range) -> np.ndarray:
+        """Coarse-unit indices of whole blocks (BLOCK_MAJOR: all layers) or of the given layers' chunks."""
+        b = np.asarray(blocks, dtype=np.int64)
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            return b.astype(np.int32)
+        chunks = np.arange(layers.start * self.kv_factor, layers.stop * self.kv_factor, dtype=np.int64)
+        return (chunks[:, None] * self.num_blocks + b[None, :]).reshape(-1).astype(np.int32)
 
     def unit_indices(self, blocks: np.ndarray, layers: range, heads: range | None, block_first: bool) -> np.ndarray:
         """Descriptor indices of the units of a box, in the logical order (block, layer, kv, head) when

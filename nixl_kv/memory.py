@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +36,19 @@ def region_of(array: Any, memory: MemoryKind, device_id: int = 0) -> MemoryRegio
     """The memory region an array occupies (it must be contiguous)."""
     address = array.data.ptr if memory is MemoryKind.VRAM else array.ctypes.data
     return MemoryRegion(address=int(address), nbytes=int(array.nbytes), device_id=device_id, memory=memory)
+
+
+@contextmanager
+def on_device(region: MemoryRegion) -> Iterator[None]:
+    """Run array work on the region's GPU (cupy's current device is per thread) and wait for it to finish
+    before returning, so that a peer told the bytes are ready reads finished bytes."""
+    if region.memory is not MemoryKind.VRAM:
+        yield
+        return
+    cupy = array_module(MemoryKind.VRAM)
+    with cupy.cuda.Device(region.device_id):
+        yield
+        cupy.cuda.get_current_stream().synchronize()
 
 
 def to_host(array: Any) -> np.ndarray:

@@ -138,9 +138,15 @@ class CacheReceiver:
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
         layout = cache.layout
-        self._metadata, self._local = loop.call(
-            lambda: (loop.agent.metadata(), loop.agent.prepare(None, layout.unit_descriptors(), layout.pools[0].memory))
+        memory = layout.pools[0].memory
+        self._metadata, fine, coarse = loop.call(
+            lambda: (
+                loop.agent.metadata(),
+                loop.agent.prepare(None, layout.unit_descriptors(), memory),
+                loop.agent.prepare(None, layout.unit_descriptors(coarse=True), memory),
+            )
         )
+        self._local = {False: fine, True: coarse}  # by granularity
         loop.on_message(ReadVerdict, self._on_verdict)
         loop.on_message(StageGrant, self._on_grant)
         loop.on_message(LayersReady, self._on_layers_ready)
@@ -335,10 +341,11 @@ class CacheReceiver:
             return
         transfer = _Transfer(next(self._transfer_ids))
         if not peer.plan.staged:
-            remote = self._remote_descriptors(peer.rank)
+            coarse = peer.plan.coarse
+            remote = self._remote_descriptors(peer.rank, coarse)
             notification = self._read_done(incoming, peer, transfer, final=peer.last_step)
             transfer.handle = self._loop.agent.read(
-                self._local, peer.plan.local_indices, remote, peer.plan.remote_indices, notification
+                self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
         else:
             if peer.slot is None:
@@ -426,9 +433,9 @@ class CacheReceiver:
             raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
         self._loaded_agents.add(loaded)
 
-    def _remote_descriptors(self, rank: RankCommInfo) -> Any:
+    def _remote_descriptors(self, rank: RankCommInfo, coarse: bool) -> Any:
         """Load a ctx rank's metadata and prepare its pool descriptors, once per peer (LRU-bounded)."""
-        rows = rank.layout.unit_descriptors()
+        rows = rank.layout.unit_descriptors(coarse)
         key = (rank.agent_name, rows.tobytes())
         prepared = self._peers.get(key)
         if prepared is not None:
