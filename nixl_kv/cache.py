@@ -11,7 +11,7 @@ import numpy as np
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind
-from nixl_kv.memory import allocate, region_of
+from nixl_kv.memory import allocate, on_device, region_of
 from nixl_kv.views import gather, scatter
 
 
@@ -20,7 +20,8 @@ class CacheManager(Protocol):
     """What nixl_kv needs from a server's KV cache manager.
 
     ``pin`` and ``unpin`` are called from the transceiver's progress thread: implementations must be
-    thread-safe against the server's own allocate/free.
+    thread-safe against the server's own allocate/free. On a GPU, a request's KV must be complete in memory
+    (its stream synchronized) before the server calls ``respond_and_send_async`` or marks a layer done.
 
     ``layout`` describes the pools (registered once with the agent). ``pin`` returns a request's block ids
     and keeps them from being freed or reused until ``unpin``; the ctx side pins for the life of a transfer.
@@ -177,14 +178,17 @@ class PagedKVCache:
     def read_tokens(self, request_id: int, num_tokens: int) -> Any:
         """The request's first ``num_tokens`` tokens as ``[layer, kv, head, token, dim]`` (a copy)."""
         everything = self._box(request_id)
-        return gather(self.layout, self.pools, *everything)[..., :num_tokens, :]
+        with on_device(self.layout.pools[0]):
+            return gather(self.layout, self.pools, *everything)[..., :num_tokens, :]
 
     def write_tokens(self, request_id: int, values: Any) -> None:
-        """Write ``[layer, kv, head, token, dim]`` values into the request's first tokens."""
+        """Write ``[layer, kv, head, token, dim]`` values into the request's first tokens. Synchronous, also
+        on a GPU: a transfer may read the blocks as soon as this returns."""
         blocks, layers, heads = self._box(request_id)
-        full = gather(self.layout, self.pools, blocks, layers, heads)
-        full[..., : values.shape[3], :] = values
-        scatter(self.layout, self.pools, blocks, layers, heads, full)
+        with on_device(self.layout.pools[0]):
+            full = gather(self.layout, self.pools, blocks, layers, heads)
+            full[..., : values.shape[3], :] = values
+            scatter(self.layout, self.pools, blocks, layers, heads, full)
 
     def _box(self, request_id: int) -> tuple[np.ndarray, range, range]:
         return self.block_ids(request_id), range(self.num_layers), range(self.num_heads)
