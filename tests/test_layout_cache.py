@@ -433,3 +433,11 @@ def test_negative_token_count_cannot_double_allocate() -> None:
     assert cache.free_blocks == 3
     second = cache.allocate(3, T)
     assert set(second.tolist()).isdisjoint(first.tolist())
+
+
+def test_allocator_hands_out_the_lowest_free_blocks_in_order() -> None:
+    cache = make_cache(LayoutKind.BLOCK_MAJOR, blocks=8)
+    first, second = cache.allocate(1, 2 * T), cache.allocate(2, 3 * T)
+    assert first.tolist() == [0, 1] and second.tolist() == [2, 3, 4]
+    cache.free(1)
+    assert cache.allocate(3, 4 * T).tolist() == [0, 1, 5, 6]  # reused holes first, ascending
