@@ -26,6 +26,10 @@ BUSY_SLEEP_S = 50e-6
 IDLE_WAIT_S = 2e-3
 
 
+def _nothing() -> None:
+    return None
+
+
 class ProgressLoop:
     def __init__(self, agent: TransferAgent, name: str = "nixl_kv-progress") -> None:
         self.agent = agent
@@ -51,6 +55,10 @@ class ProgressLoop:
             return future
         self._commands.put((function, future))
         return future
+
+    def wake(self) -> None:
+        """New work was registered from another thread: end an idle wait now rather than after IDLE_WAIT_S."""
+        self._commands.put((_nothing, Future()))
 
     def call(self, function: Callable[[], Any], timeout_s: float = 30.0) -> Any:
         """Run ``function`` on the loop thread and return its result (within ``timeout_s``)."""

@@ -161,6 +161,8 @@ class CacheReceiver:
         except NixlKvError as exc:
             request.transfer_end = time.monotonic()
             future.set_exception(exc)
+        else:
+            self._loop.wake()
         return future
 
     def cancel(self, request_id: int) -> bool:

@@ -125,6 +125,7 @@ class CacheSender:
                 request, blocks, num_blocks, deadline, future, progress=progress
             )
         request.context_phase_params = wire.encode(params)
+        self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
 
     def cancel(self, request_id: int) -> bool:
