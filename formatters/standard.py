@@ -144,20 +144,20 @@ class StandardFormatter(Formatter):
         remote_layout = request.peer_state.comm.ranks[piece.peer_rank].layout
         box = Box(piece.layers, piece.heads, piece.blocks)
         nbytes = self.box_bytes(request.self_state.cache, box)
+        local = _local_units(local_layout, box, mine, local_blocks)
+        remote = _local_units(remote_layout, box, theirs, remote_blocks)
+        if _whole_segments(local_layout, remote_layout, piece, mine, theirs):  # consecutive blocks merge: direct
+            return PeerRead(
+                peer_rank=piece.peer_rank,
+                expected_readers=readers,
+                nbytes=nbytes,
+                layers=piece.layers,
+                local_indices=local_layout.segment_indices(local.block_ids, local.layers),
+                remote_indices=remote_layout.segment_indices(remote.block_ids, remote.layers),
+                coarse=True,
+            )
         run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
         if run and run >= request.direct_min_run_bytes:
-            local = _local_units(local_layout, box, mine, local_blocks)
-            remote = _local_units(remote_layout, box, theirs, remote_blocks)
-            if _whole_segments(local_layout, remote_layout, piece, mine, theirs):
-                return PeerRead(
-                    peer_rank=piece.peer_rank,
-                    expected_readers=readers,
-                    nbytes=nbytes,
-                    layers=piece.layers,
-                    local_indices=local_layout.segment_indices(local.block_ids, local.layers),
-                    remote_indices=remote_layout.segment_indices(remote.block_ids, remote.layers),
-                    coarse=True,
-                )
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
             whole_chunks = not local_layout.heads_inner
             return PeerRead(

@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument(
         "--direct-min-run-bytes",
         type=int,
-        default=8192,
-        help="stage transfers whose direct runs are shorter (0: direct wherever possible; huge: always staged)",
+        default=None,
+        help="stage slices whose direct runs are shorter (default by pool memory: DRAM 8 KiB, VRAM 1 MiB; "
+        "0: direct wherever possible; huge: always staged)",
     )
     pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return parser

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_PREFIX = "NIXL_KV_"
+DIRECT_MIN_RUN_BYTES = {"DRAM": 8 << 10, "VRAM": 1 << 20}  # measured defaults, see direct_min_run_bytes
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,13 @@ class CacheTransceiverConfig:
     kv_transfer_sender_future_timeout_ms: how long a ctx status check waits on one transfer when asked for progress.
     kv_transfer_poll_interval_ms: how long a gen status check waits for progress.
     lease_ms: how long the ctx side keeps a request's blocks pinned for its readers.
-    direct_min_run_bytes: gen side; a direct READ whose contiguous runs are shorter is staged instead
-        (0: direct wherever the layouts allow it; a huge value: always staged). 8 KiB by measurement:
+    direct_min_run_bytes: gen side; a slice that is not made of whole blocks or chunks is read directly only
+        if its contiguous runs are at least this long, else staged (0: direct wherever the layouts allow it; a
+        huge value: always staged). None: by pool memory, from measurements. DRAM 8 KiB:
         scripts/bench_direct_vs_staged.sh on the 2-core CPU machine, ctx TP2 -> gen TP4, had staged ahead at
-        4 KiB runs (1.22 against 1.02 GB/s) and direct ahead from 8 KiB (1.87 against 0.97 GB/s).
+        4 KiB runs (1.22 against 1.02 GB/s) and direct ahead from 8 KiB (1.87 against 0.97 GB/s). VRAM 1 MiB:
+        scripts/bench_gpu_threshold.sh on 2 H200s, ctx TP2 -> gen TP4, had staged ahead by 7.6x at 16 KiB runs
+        (63.5 against 8.4 GB/s) and 17x at 8 KiB; partial-head runs never exceed 64 KiB for 8 heads of 128.
     enable_inflight_cancel: see ``kv_transfer_timeout_ms`` (needs it set; status checks must then be finite).
     time_output_path: a folder for per-rank CSV transfer summaries (both sides); empty for none.
     """
@@ -39,7 +43,7 @@ class CacheTransceiverConfig:
     kv_transfer_sender_future_timeout_ms: int | None = None
     kv_transfer_poll_interval_ms: int | None = None
     lease_ms: int = 60_000
-    direct_min_run_bytes: int = 8192
+    direct_min_run_bytes: int | None = None
     enable_inflight_cancel: bool = False
     time_output_path: str = ""
 
@@ -53,7 +57,7 @@ class CacheTransceiverConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
-        if self.direct_min_run_bytes < 0:
+        if self.direct_min_run_bytes is not None and self.direct_min_run_bytes < 0:
             raise ValueError("CacheTransceiverConfig.direct_min_run_bytes must not be negative")
         if self.enable_inflight_cancel and self.kv_transfer_timeout_ms is None:
             raise ValueError("enable_inflight_cancel needs kv_transfer_timeout_ms: a finite deadline to act on")

@@ -156,7 +156,7 @@ class ReadRequest:
     layers: range | None = None  # plan only these global layers (layer-wise steps)
     only_peer: int | None = None  # plan only the reads from this ctx rank
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
-    direct_min_run_bytes: int = 8192  # shorter contiguous runs are staged instead (see CacheTransceiverConfig)
+    direct_min_run_bytes: int = 8192  # shorter runs of partial slices are staged (see CacheTransceiverConfig)
 
 
 class Formatter(ABC):

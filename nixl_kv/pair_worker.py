@@ -57,7 +57,7 @@ class InstanceSpec:
     lease_ms: int = 60_000
     timeout_ms: int | None = None
     max_tokens_in_buffer: int = 8192
-    direct_min_run_bytes: int = 8192
+    direct_min_run_bytes: int | None = None
     layerwise: bool = False  # ctx: respond layer-wise and mark one layer done every LAYER_STEP_S
     reuse_prefix_blocks: int = 0  # gen: already holds this many leading blocks of every request
 

@@ -18,7 +18,8 @@ from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
-from nixl_kv.config import ENV_PREFIX, CacheTransceiverConfig
+from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
+from nixl_kv.layout import KVLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
 from nixl_kv.progress import ContextProgress
@@ -102,7 +103,7 @@ class CacheTransceiver:
             self._comm.rank,
             formatter,
             self._staging,
-            self.config.direct_min_run_bytes,
+            self._direct_min_run_bytes(layout),
         )
         self.metrics = TransferMetrics(self.instance_id)
         offset = self._clock_offset()
@@ -129,6 +130,10 @@ class CacheTransceiver:
             TransferSummary(self.config.time_output_path, self.instance_id, self._comm.rank, "gen"),
         )  # fmt: skip
         self._closed = False
+
+    def _direct_min_run_bytes(self, layout: KVLayout) -> int:
+        configured = self.config.direct_min_run_bytes
+        return DIRECT_MIN_RUN_BYTES[layout.pools[0].memory.value] if configured is None else configured
 
     def _clock_offset(self) -> float:
         """Seconds to add to this rank's monotonic clock to read rank 0's (merged timings across ranks)."""

@@ -21,6 +21,7 @@ from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.fill import expected
 from nixl_kv.interfaces import TransferStatus
+from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import CacheState, ModelConfig, ParallelConfig
@@ -202,9 +203,9 @@ def test_a_ctx_process_killed_mid_transfer_ends_gen_requests_in_error_and_gen_go
 
 
 # --- layer-wise, prefix reuse, sliding window -----------------------------------------------------------------------
-@pytest.mark.parametrize("direct_min_run_bytes", [0, 1 << 40], ids=["direct", "staged"])
-def test_layer_wise_reads_each_layer_when_it_is_ready(pair_factory, direct_min_run_bytes: int) -> None:
-    pair = pair_factory(gen_config={"direct_min_run_bytes": direct_min_run_bytes})
+@pytest.mark.parametrize("gen_kind", [LayoutKind.BLOCK_MAJOR, LayoutKind.PER_LAYER_NHD], ids=["direct", "staged"])
+def test_layer_wise_reads_each_layer_when_it_is_ready(pair_factory, gen_kind: LayoutKind) -> None:
+    pair = pair_factory(gen_kind=gen_kind)
     shape = pair.shape
     pair.ctx.cache.allocate(1, 40)
     values = expected(1, shape.where(40), shape.dtype.itemsize)
@@ -291,8 +292,7 @@ def test_csv_summaries_on_both_sides(pair_factory, tmp_path: Path) -> None:
 
 # --- hostile or broken peers and bugs (regressions found in review) ------------------------------------------------
 def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_factory) -> None:
-    config = {"direct_min_run_bytes": 1 << 40}  # staged
-    pair = pair_factory(ctx_config=config, gen_config=config)
+    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
     sender = pair.ctx.transceiver._sender
     real_grant = sender._grant
 
@@ -307,8 +307,7 @@ def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_
 
 
 def test_an_unexpected_error_while_unpacking_ends_the_request_in_error(pair_factory) -> None:
-    config = {"direct_min_run_bytes": 1 << 40}
-    pair = pair_factory(ctx_config=config, gen_config=config)
+    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
     formatter = pair.gen.transceiver._receiver._formatter
 
     def out_of_memory(*args: object) -> None:
