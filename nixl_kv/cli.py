@@ -30,6 +30,7 @@ def _spec(text: str) -> ParallelSpec:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nixl-kv", description="KV cache transfer for disaggregated serving")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("bench", help="nixl_kv against its baselines in one run (see nixl-kv bench --help)")
     pair = commands.add_parser("pair", help="run a ctx and a gen instance end to end and verify every element")
     spec_help = "SPEC: tp=,pp=,cp=,dp= (0/1 attention DP), layers=a:b:.. (uneven PP), layout=block_major|nhd|hnd"
     pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help=f"ctx {spec_help}")
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from nixl_kv.bench import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "pair":
         return _pair(args)

@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import json
 import logging
-import statistics
 import sys
 import threading
 import time
@@ -271,6 +270,7 @@ class Instance:
 
 
 LAYER_STEP_S = 0.002
+MAX_NAIVE_BLOCKS = 4096  # the per-block baseline loop stops splitting beyond this many READs
 
 
 def _prefill_layers(progress: ContextProgress) -> None:
@@ -329,26 +329,41 @@ class RawReadBaseline:
             seen += sum(len(messages) for messages in self.agent.get_new_notifs().values())
         emit(op="baseline_served", reads=seen)
 
-    def read(self, metadata: str, row: list[int], repeats: int) -> None:
+    def read(self, metadata: str, row: list[int], repeats: int, block_bytes: int) -> None:
+        """The same bytes as one descriptor (the ceiling) and as a naive loop of one READ per block."""
         peer = self.agent.add_remote_agent(base64.b64decode(metadata))
-        remote = self.agent.prep_xfer_dlist(peer, np.array([row], dtype=np.uint64), self.memory)
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([self.row], dtype=np.uint64), self.memory)
+        count = max(1, min(row[1] // max(block_bytes, 1), MAX_NAIVE_BLOCKS))
+        size = row[1] // count
+        one = self._timed(peer, row, self.row, 1, size * count, repeats)
+        per_block = self._timed(peer, row, self.row, count, size, repeats)
+        self.agent.remove_remote_agent(peer)
+        emit(op="baseline_result", seconds=one, per_block_seconds=per_block, nbytes=size * count)
+
+    def _timed(self, peer: str, remote_row: list[int], local_row: tuple, count: int, size: int, repeats: int):
+        """Seconds of each repeat: ``count`` READs of ``size`` bytes, each posted after the last one ended."""
+
+        def rows(base: list[int] | tuple) -> np.ndarray:
+            return np.array([(base[0] + i * size, size, base[2]) for i in range(count)], dtype=np.uint64)
+
+        remote = self.agent.prep_xfer_dlist(peer, rows(remote_row), self.memory)
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_row), self.memory)
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            handle = self.agent.make_prepped_xfer("READ", local, [0], remote, [0], b"baseline")
-            state = self.agent.transfer(handle)
-            deadline = start + 60
-            while state == "PROC" and time.perf_counter() < deadline:
-                state = self.agent.check_xfer_state(handle)
+            for index in range(count):
+                notification = b"baseline" if index == count - 1 else b""
+                handle = self.agent.make_prepped_xfer("READ", local, [index], remote, [index], notification)
+                state = self.agent.transfer(handle)
+                deadline = time.perf_counter() + 60
+                while state == "PROC" and time.perf_counter() < deadline:
+                    state = self.agent.check_xfer_state(handle)
+                handle.release()
+                if state != "DONE":
+                    raise RuntimeError(f"baseline READ ended in {state}")
             seconds.append(time.perf_counter() - start)
-            handle.release()
-            if state != "DONE":
-                raise RuntimeError(f"baseline READ ended in {state}")
         remote.release()
         local.release()
-        self.agent.remove_remote_agent(peer)
-        emit(op="baseline_result", seconds=statistics.median(seconds), nbytes=self.row[1])
+        return seconds
 
     def close(self) -> None:
         self.agent.deregister_memory(self.registration)
@@ -390,7 +405,7 @@ def serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                 baseline.serve(command["repeats"])
             elif lead and op == "baseline_read":
                 baseline = RawReadBaseline(role, command["row"][1], spec.memory, instance.device_id)
-                baseline.read(command["metadata"], command["row"], command["repeats"])
+                baseline.read(command["metadata"], command["row"], command["repeats"], command["block_bytes"])
             elif op == "quit":
                 break
     finally:
