@@ -21,14 +21,15 @@ SERIES = [
 
 
 def main() -> None:
-    data = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as handle:
+        data = json.load(handle)
     sweep = data["sweep"]
     mib = [row["bytes"] / len(row["gbps_per_round"]) / 2**20 for row in sweep]
     figure, axes = plt.subplots(figsize=(8, 5))
     for key, label in SERIES:
-        points = [(x, row[key]) for x, row in zip(mib, sweep) if row.get(key)]
+        points = [(x, row[key]) for x, row in zip(mib, sweep, strict=True) if row.get(key)]
         if points:
-            axes.plot(*zip(*points), marker="o", label=label)
+            axes.plot(*zip(*points, strict=True), marker="o", label=label)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("request size (MiB; Llama-3-8B-like, 128 KiB per token)")
     axes.set_ylabel("GB/s")
