@@ -34,6 +34,8 @@ class CacheTransceiverConfig:
         (63.5 against 8.4 GB/s) and 17x at 8 KiB; partial-head runs never exceed 64 KiB for 8 heads of 128.
     enable_inflight_cancel: see ``kv_transfer_timeout_ms`` (needs it set; status checks must then be finite).
     time_output_path: a folder for per-rank CSV transfer summaries (both sides); empty for none.
+    progress_poll_us: how long the progress loop sleeps between polls while transfers are pending; 0 spins
+        (lowest latency, one core busy per instance rank: for hosts with cores to spare, not a 2-core box).
     """
 
     backend: str = "NIXL"
@@ -46,6 +48,7 @@ class CacheTransceiverConfig:
     direct_min_run_bytes: int | None = None
     enable_inflight_cancel: bool = False
     time_output_path: str = ""
+    progress_poll_us: int = 50
 
     def __post_init__(self) -> None:
         positive = ("max_tokens_in_buffer", "num_staging_slots", "lease_ms")
@@ -57,6 +60,8 @@ class CacheTransceiverConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
+        if self.progress_poll_us < 0:
+            raise ValueError("CacheTransceiverConfig.progress_poll_us must not be negative")
         if self.direct_min_run_bytes is not None and self.direct_min_run_bytes < 0:
             raise ValueError("CacheTransceiverConfig.direct_min_run_bytes must not be negative")
         if self.enable_inflight_cancel and self.kv_transfer_timeout_ms is None:

@@ -31,8 +31,11 @@ def _nothing() -> None:
 
 
 class ProgressLoop:
-    def __init__(self, agent: TransferAgent, name: str = "nixl_kv-progress") -> None:
+    def __init__(
+        self, agent: TransferAgent, busy_sleep_s: float = BUSY_SLEEP_S, name: str = "nixl_kv-progress"
+    ) -> None:
         self.agent = agent
+        self._busy_sleep_s = busy_sleep_s
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._handlers: dict[type, Callable[[str, Any], None]] = {}
         self._tickers: list[Callable[[float], bool]] = []
@@ -85,8 +88,10 @@ class ProgressLoop:
                 except queue.Empty:
                     continue
                 self._execute(function, future)
+            elif self._busy_sleep_s > 0:
+                time.sleep(self._busy_sleep_s)
             else:
-                time.sleep(BUSY_SLEEP_S)
+                time.sleep(0)  # spin, but let other threads of this process have the GIL
         self._drain_on_stop()
 
     def _iterate(self) -> bool:

@@ -139,12 +139,14 @@ class Instance:
         self.device_id = spec.select_device(comm.rank)
         self.xp = array_module(spec.memory)
         self.cache = spec.build_cache(self.share(spec.tokens_per_block), self.device_id)
-        config = CacheTransceiverConfig(
-            lease_ms=spec.lease_ms,
-            kv_transfer_timeout_ms=spec.timeout_ms,
-            enable_inflight_cancel=spec.timeout_ms is not None,
-            max_tokens_in_buffer=spec.max_tokens_in_buffer,
-            direct_min_run_bytes=spec.direct_min_run_bytes,
+        config = CacheTransceiverConfig.from_env(  # NIXL_KV_* variables tune a pair run too
+            CacheTransceiverConfig(
+                lease_ms=spec.lease_ms,
+                kv_transfer_timeout_ms=spec.timeout_ms,
+                enable_inflight_cancel=spec.timeout_ms is not None,
+                max_tokens_in_buffer=spec.max_tokens_in_buffer,
+                direct_min_run_bytes=spec.direct_min_run_bytes,
+            )
         )
         self.transceiver = CacheTransceiver(self.cache, spec.cache_state(comm.rank), config, comm)
         self.requests: list[TransferRequest] = []

@@ -89,7 +89,7 @@ class CacheTransceiver:
         self.state = DataTransceiverState(self.instance_id, cache_state, CommState(tuple(self._comm.allgather(me))))
         self._serialized_state = wire.encode(self.state)
         self._tp_sync, self._pp_sync, self._gen_sync, self._cp_group = self._groups(cache_state)
-        self._loop = ProgressLoop(agent)
+        self._loop = ProgressLoop(agent, self.config.progress_poll_us / 1e6)
         self._agent = agent
         formatter = formatter_class(cache_state.attention_type.value)()
         sender_context = SenderContext(
