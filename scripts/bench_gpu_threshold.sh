@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: direct against staged mode for TP-mismatched pairings on VRAM (same run, same shapes),
 # and small-request latency. Writes $OUT/threshold.jsonl. Needs the wheels in .whl (see scripts/gpu_check.sh).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$(dirname "$0")/_gpu_env.sh"
 run() {  # label, then nixl-kv pair arguments
   local label=$1; shift
   python3 -m nixl_kv.cli pair --device cuda --rounds 5 --json "$@" 2>>"$OUT/threshold.err" | tail -1 \

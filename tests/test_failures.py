@@ -337,3 +337,15 @@ def test_no_readers_from_an_agent_that_cannot_be_reached_is_ignored(pair_factory
 
 def _poll_ctx_pending(pair: Pair) -> int:
     return pair.ctx.transceiver._sender.pending
+
+
+def test_counters_reach_prometheus(pair_factory) -> None:
+    prometheus = pytest.importorskip("prometheus_client")
+    pair = pair_factory()
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_async(request)
+    pair.gen.transceiver.check_gen_transfer_status(None)
+    labels = {"side": "gen", "instance": pair.gen.transceiver.instance_id}
+    assert prometheus.REGISTRY.get_sample_value("nixl_kv_requests_total", labels) == 1.0
+    assert prometheus.REGISTRY.get_sample_value("nixl_kv_bytes_total", labels) == request.transfer_bytes
+    assert prometheus.REGISTRY.get_sample_value("nixl_kv_failures_total", labels) == 0.0
