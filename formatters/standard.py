@@ -34,6 +34,8 @@ from nixl_kv.views import gather, scatter
 
 
 class StandardFormatter(Formatter):
+    attention_type = AttentionType.DEFAULT
+
     def inquire_support(self, self_state: CacheState, peer_state: CacheState) -> None:
         differences = [
             f"{name}: ours {mine!r}, peer {theirs!r}"
@@ -51,9 +53,9 @@ class StandardFormatter(Formatter):
         ]
         if differences:
             raise IncompatibleStateError("ctx and gen caches differ: " + "; ".join(differences))
-        if self_state.attention_type is not AttentionType.DEFAULT:
+        if self_state.attention_type is not self.attention_type:
             raise IncompatibleStateError(
-                f"the standard formatter does not move {self_state.attention_type.value} caches"
+                f"the {self.attention_type.value} formatter does not move {self_state.attention_type.value} caches"
             )
         for side, state in (("gen", self_state), ("ctx", peer_state)):
             if len(set(state.model.num_kv_heads_per_layer)) != 1:

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help=f"ctx {spec_help}")
     pair.add_argument("--gen", type=_spec, default=ParallelSpec(), help=f"gen {spec_help}")
     pair.add_argument("--layers", type=int, default=32)
-    pair.add_argument("--kv-heads", type=int, default=8)
+    pair.add_argument("--kv-heads", type=int, default=None, help="8 (mha) or 1 (mla) when not given")
     pair.add_argument("--head-dim", type=int, default=128)
     pair.add_argument("--tokens-per-block", type=int, default=32)
     pair.add_argument("--dtype", choices=[d.value for d in DataType], default="bfloat16")
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _pair(args: argparse.Namespace) -> int:
-    if args.attention == "mla":
-        print("nixl-kv pair: --attention mla is not supported yet", file=sys.stderr)
+    if args.attention == "mla" and args.kv_heads not in (None, 1):
+        print("nixl-kv pair: an MLA cache has one latent head per layer (--kv-heads 1)", file=sys.stderr)
         return 2
     if args.device == "cuda" and importlib.util.find_spec("cupy") is None:
         print("nixl-kv pair: --device cuda needs cupy (pip install nixl-kv[gpu-cu12] or [gpu-cu13])", file=sys.stderr)
@@ -93,12 +93,13 @@ def _pair(args: argparse.Namespace) -> int:
     if args.reuse_prefix < 0 or (args.timeout_ms is not None and args.timeout_ms < 1):
         print("nixl-kv pair: --reuse-prefix must be >= 0 and --timeout-ms >= 1", file=sys.stderr)
         return 2
-    if min(args.layers, args.kv_heads, args.head_dim, args.tokens_per_block, args.rounds) < 1:
+    if min(args.layers, args.kv_heads or 1, args.head_dim, args.tokens_per_block, args.rounds) < 1:
         print("nixl-kv pair: layers, kv heads, head dim, tokens per block and rounds must be >= 1", file=sys.stderr)
         return 2
     model = InstanceSpec(
         layers=args.layers,
-        kv_heads=args.kv_heads,
+        kv_heads=args.kv_heads or (1 if args.attention == "mla" else 8),
+        attention=args.attention,
         head_dim=args.head_dim,
         tokens_per_block=args.tokens_per_block,
         dtype=args.dtype,

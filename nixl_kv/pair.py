@@ -211,6 +211,8 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     """Run the pair; ``progress(text)`` is called as work advances."""
     say = progress or (lambda _text: None)
     blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
+    if options.model.attention == "mla" and options.ctx.cp > 1:
+        raise NotSupportedError(f"MLA needs ctx CP 1 (got cp={options.ctx.cp}); gen CP is supported")
     ctx_spec = replace(options.ctx.instance(options.model, blocks), timeout_ms=None)  # a gen-side deadline
     gen_spec = replace(options.gen.instance(options.model, blocks), gpu_base=ctx_spec.world_size)
     report = PairReport()
@@ -223,7 +225,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             _run_round(options, round_index, ctx, gen, report, say)
         say("measuring a raw NIXL READ of the same bytes")
         model = options.model
-        block_bytes = model.layers * 2 * model.kv_heads * model.head_dim * model.data_type.itemsize
+        block_bytes = model.layers * model.kv_factor * model.kv_heads * model.head_dim * model.data_type.itemsize
         _measure_raw(
             ctx, gen, max(report.round_bytes), block_bytes * model.tokens_per_block, report, options.step_timeout_s
         )
@@ -293,7 +295,7 @@ def format_table(report: PairReport) -> str:
         f"total: {s['requests']} requests, {s['verified']} verified, {s['mismatched_elements']} mismatched elements, "
         f"{s['bytes'] / 2**20:.1f} MiB in {s['seconds'] * 1e3:.1f} ms"
     )
-    if s["gbps"] is not None and s["raw_read_gbps"] is not None:
+    if s["gbps"] and s["raw_read_gbps"] and s["per_block_read_gbps"]:
         lines.append(
             f"nixl_kv: {s['gbps']:.2f} GB/s (median over rounds); raw NIXL READ of the same bytes as one "
             f"descriptor: {s['raw_read_gbps']:.2f} GB/s; ratio {s['ratio_to_raw']:.2f}; a naive loop of one READ per "

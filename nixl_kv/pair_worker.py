@@ -45,6 +45,7 @@ class InstanceSpec:
     tokens_per_block: int
     dtype: str
     num_blocks: int
+    attention: str = "mha"  # mha, or mla: kv factor 1 and one latent head per layer
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -63,6 +64,10 @@ class InstanceSpec:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def kv_factor(self) -> int:
+        return 1 if self.attention == "mla" else 2
 
     @property
     def data_type(self) -> DataType:
@@ -91,7 +96,8 @@ class InstanceSpec:
             model=ModelConfig((self.kv_heads,) * self.layers, self.head_dim, self.tokens_per_block),
             parallel=self.parallel(rank),
             dtype=self.data_type,
-            attention_type=AttentionType.DEFAULT,
+            attention_type=AttentionType.MLA if self.attention == "mla" else AttentionType.DEFAULT,
+            kv_factor=self.kv_factor,
         )
 
     def build_cache(self, held: Share, device_id: int) -> PagedKVCache:
@@ -102,6 +108,7 @@ class InstanceSpec:
             tokens_per_block=self.tokens_per_block,
             head_dim=self.head_dim,
             dtype=self.data_type,
+            kv_factor=self.kv_factor,
             kind=LayoutKind(self.layout),
             memory=self.memory,
             device_id=device_id,
@@ -166,7 +173,7 @@ class Instance:
             len(held.layers),
             held.heads.start,
             len(held.heads),
-            2,
+            self.spec.kv_factor,
             self.spec.head_dim,
             first,
             max(0, last - first),

@@ -8,7 +8,10 @@ from typing import Any
 from nixl_kv.errors import NotSupportedError
 
 AGENTS: dict[str, str] = {"NIXL": "agents.nixl_agent:NixlAgent"}
-FORMATTERS: dict[str, str] = {"default": "formatters.standard:StandardFormatter"}
+FORMATTERS: dict[str, str] = {
+    "default": "formatters.standard:StandardFormatter",
+    "mla": "formatters.mla:MLAFormatter",
+}
 
 
 def _load(table: dict[str, str], name: str, kind: str) -> Any:

@@ -84,3 +84,29 @@ def test_attention_dp_duplicated_heads_and_cp(ctx: str, gen: str, heads: int) ->
 )
 def test_block_major_and_per_layer_pools_meet(ctx: str, gen: str) -> None:
     _run(ctx, gen)
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "dtype"),
+    [
+        ("tp=2", "tp=1", "float32"),
+        ("tp=1", "tp=2,pp=2", "int8"),
+        ("tp=2,pp=2", "tp=2", "int8"),
+        ("tp=2,pp=2", "tp=1,pp=2", "float32"),
+        ("tp=2,dp=1", "tp=2", "float32"),  # attention DP on the ctx side
+        ("tp=2", "tp=2,dp=1", "float32"),  # and on the gen side
+        ("tp=2", "cp=2", "float32"),  # gen-side CP
+        ("tp=1", "cp=4", "int8"),
+    ],
+)
+def test_mla_pairings(ctx: str, gen: str, dtype: str) -> None:
+    summary = _run(ctx, gen, heads=1, dtype=dtype, extra=("--attention", "mla"))
+    itemsize = 4 if dtype == "float32" else 1
+    blocks = sum(-(-n // 16) for n in (30, 10, 60, 80))
+    spec = dict(item.split("=") for item in gen.split(","))
+    replicas = 1 if spec.get("dp") == "1" else int(spec.get("tp", 1))  # every gen TP rank holds the latent cache
+    assert summary["bytes"] == 2 * blocks * 16 * 4 * 1 * 1 * 4 * itemsize * replicas  # read once per gen replica
+
+
+def test_mla_tp4_to_pp4() -> None:
+    _run("tp=4", "pp=4", layers=8, heads=1, tokens_per_block=8, extra=("--attention", "mla"))

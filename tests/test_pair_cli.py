@@ -54,7 +54,8 @@ def test_pair_defaults_are_a_real_model_shape() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--attention", "mla"], "--attention mla is not supported yet"),
+        (["--attention", "mla", "--kv-heads", "4"], "one latent head per layer"),
+        (["--attention", "mla", "--ctx=cp=2"], "MLA needs ctx CP 1"),
         (["--ctx=pp=2,layers=1:2", "--layers", "4"], "do not sum to 4 layers"),
         (["--gen=tp=2", "--kv-heads", "3"], "3 kv heads do not split evenly over TP 2"),
         (["--gen=layout=weird"], "bad layout 'weird'"),

@@ -1,0 +1,68 @@
+"""The MLA formatter in one process: a replicated latent cache (kv factor 1) and what it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from formatters.mla import MLAFormatter
+from nixl_kv.cache import PagedKVCache
+from nixl_kv.dtypes import DataType
+from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.fill import Slice, count_mismatches, expected
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig
+from nixl_kv.transceiver import CacheTransceiver
+
+LAYERS, TOKENS_PER_BLOCK, LATENT = 3, 16, 32
+
+
+def mla_state(**changes: object) -> CacheState:
+    state = CacheState(
+        ModelConfig((1,) * LAYERS, LATENT, TOKENS_PER_BLOCK),
+        ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)),
+        DataType.BFLOAT16,
+        attention_type=AttentionType.MLA,
+        kv_factor=1,
+    )
+    return dataclasses.replace(state, **changes)
+
+
+def mla_cache() -> PagedKVCache:
+    return PagedKVCache(
+        num_blocks=32, num_layers=LAYERS, num_heads=1, tokens_per_block=TOKENS_PER_BLOCK, head_dim=LATENT,
+        dtype=DataType.BFLOAT16, kv_factor=1,
+    )  # fmt: skip
+
+
+def test_latent_cache_arrives_exactly() -> None:
+    caches = [mla_cache(), mla_cache()]
+    ctx, gen = (CacheTransceiver(cache, mla_state()) for cache in caches)
+    try:
+        where = Slice(0, LAYERS, 0, 1, 1, LATENT, 0, 50)
+        caches[0].allocate(1, 50)
+        caches[0].write_tokens(1, expected(1, where, 2))
+        request = TransferRequest(1, num_tokens=50)
+        ctx.respond_and_send_async(request)
+        caches[1].allocate(7, 50)
+        received = TransferRequest(7, context_phase_params=request.context_phase_params)
+        gen.request_and_receive_sync(received)
+        assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+        assert count_mismatches(caches[1].read_tokens(7, 50), 1, where) == 0
+        assert received.transfer_bytes == 4 * TOKENS_PER_BLOCK * LAYERS * LATENT * 2
+    finally:
+        ctx.close()
+        gen.close()
+
+
+def test_what_mla_refuses() -> None:
+    formatter = MLAFormatter()
+    with pytest.raises(NotSupportedError, match="indexer-K cache is not supported yet"):
+        formatter.inquire_support(mla_state(), mla_state(has_indexer_k_cache=True, indexer_dim=64))
+    ctx_cp2 = mla_state(parallel=ParallelConfig(cp=2, attention_layers_per_pp_rank=(LAYERS,)))
+    with pytest.raises(NotSupportedError, match="MLA needs ctx CP 1"):
+        formatter.inquire_support(mla_state(), ctx_cp2)
+    standard = dataclasses.replace(mla_state(), attention_type=AttentionType.DEFAULT, kv_factor=2)
+    with pytest.raises(IncompatibleStateError, match="attention type: ours 'mla', peer 'default'"):
+        formatter.inquire_support(mla_state(), standard)
