@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
 CLAIM_RETRY_S = 1e-3
+SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_GBPS
+SLOW_GBPS = {"DRAM": 2.0, "VRAM": 20.0}  # below: a fallback path (TCP gave 0.9 GB/s on DRAM; cuda_ipc ~390 on VRAM)
 STUCK_RETRY_S = 0.1
 
 
@@ -46,6 +48,8 @@ class _Transfer:
     transfer_id: int
     handle: Any = None
     grant: StageGrant | None = None
+    posted_at: float = 0.0
+    nbytes: int = 0
     finished: bool = False
     verdict: str | None = None  # None until the ctx peer answers; "" means ok
 
@@ -137,6 +141,7 @@ class CacheReceiver:
         self._loaded_agents: set[str] = set()
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
+        self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
         layout = cache.layout
         memory = layout.pools[0].memory
         self._metadata, fine, coarse = loop.call(
@@ -301,6 +306,7 @@ class CacheReceiver:
                 return
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
+            self._transport_check(peer, current, now)
             if peer.plan.staged:
                 self._unpack(incoming, peer)
             current.finished = True  # only once the bytes are in place
@@ -314,6 +320,22 @@ class CacheReceiver:
         if not peer.plan.staged or peer.next_piece == len(peer.plan.pieces):
             peer.plan, peer.next_piece = None, 0
             peer.done = peer.last_step
+
+    def _transport_check(self, peer: _PeerPull, transfer: _Transfer, now: float) -> None:
+        """Warn once per peer when large READs crawl: UCX fell back to a host-staged or TCP path."""
+        memory = self._cache.layout.pools[0].memory
+        seconds = now - transfer.posted_at
+        if transfer.nbytes < SLOW_CHECK_BYTES or seconds <= 0 or peer.rank.agent_name in self.slow_peers:
+            return
+        gbps = transfer.nbytes / seconds / 1e9
+        if gbps < SLOW_GBPS[memory.value]:
+            self.slow_peers[peer.rank.agent_name] = gbps
+            log.warning(
+                "READs from %s run at %.2f GB/s (%d MiB in %.1f ms) on %s: UCX is likely staging through host memory "
+                "or using TCP; check UCX_TLS (cuda_ipc for NVLink, rc/dc with GPUDirect RDMA across hosts, cma/sm "
+                "within a host)",
+                peer.rank.agent_name, gbps, transfer.nbytes >> 20, seconds * 1e3, memory.value,
+            )  # fmt: skip
 
     def _next_step(self, incoming: _Incoming, peer: _PeerPull) -> bool:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
@@ -349,6 +371,8 @@ class CacheReceiver:
             transfer.handle = self._loop.agent.read(
                 self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
+            # only long runs measure the transport: scattered head slabs are slow on any path
+            transfer.posted_at, transfer.nbytes = time.monotonic(), peer.plan.nbytes if coarse else 0
         else:
             if peer.slot is None:
                 try:
@@ -397,6 +421,7 @@ class CacheReceiver:
         last = peer.last_step and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
+        current.posted_at, current.nbytes = time.monotonic(), grant.nbytes
         current.handle = self._loop.agent.read_ranges(
             peer.rank.agent_name,
             np.array([[slot.address, grant.nbytes, slot.device_id]], dtype=np.uint64),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -94,3 +95,15 @@ def test_pair_deadline_too_short_fails_cleanly() -> None:
     assert result.returncode == 1
     summary = _summary(result)
     assert summary["failed"] == 2 and summary["verified"] == 0
+
+
+def test_a_slow_transport_is_reported() -> None:
+    # UCX over TCP instead of shared memory: large READs crawl and the gen side says why (once per peer)
+    env = dict(os.environ, UCX_TLS="tcp,self")
+    result = subprocess.run(
+        [sys.executable, "-m", "nixl_kv.cli", "pair", "--requests", "1024", "--json"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _summary(result)["verified"] == 1
+    assert result.stderr.count("UCX is likely staging through host memory or using TCP") == 1
