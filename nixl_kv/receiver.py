@@ -49,7 +49,8 @@ class _Transfer:
     handle: Any = None
     grant: StageGrant | None = None
     posted_at: float = 0.0
-    nbytes: int = 0
+    posts_before: int = 0  # the receiver's READ count when this one was posted
+    nbytes: int = 0  # > 0 when this READ measures the transport: a long run, alone in flight, peer warmed up
     finished: bool = False
     verdict: str | None = None  # None until the ctx peer answers; "" means ok
 
@@ -142,6 +143,8 @@ class CacheReceiver:
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
         self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
+        self._warmed: set[str] = set()
+        self._posts = 0
         layout = cache.layout
         memory = layout.pools[0].memory
         self._metadata, fine, coarse = loop.call(
@@ -321,11 +324,21 @@ class CacheReceiver:
             peer.plan, peer.next_piece = None, 0
             peer.done = peer.last_step
 
+    def _measurable(self, peer: _PeerPull, nbytes: int, long_runs: bool) -> int:
+        """Bytes to time for the transport check, or 0: only long runs (scattered head slabs are slow on any
+        path), only READs alone in flight (concurrent ones share the link), never a peer's first (warm-up)."""
+        self._posts += 1
+        first = peer.rank.agent_name not in self._warmed
+        self._warmed.add(peer.rank.agent_name)
+        alone = not any(p.current and p.current.handle for i in self._active.values() for p in i.peers)
+        return nbytes if long_runs and alone and not first else 0
+
     def _transport_check(self, peer: _PeerPull, transfer: _Transfer, now: float) -> None:
         """Warn once per peer when large READs crawl: UCX fell back to a host-staged or TCP path."""
         memory = self._cache.layout.pools[0].memory
         seconds = now - transfer.posted_at
-        if transfer.nbytes < SLOW_CHECK_BYTES or seconds <= 0 or peer.rank.agent_name in self.slow_peers:
+        shared = self._posts != transfer.posts_before  # another READ started meanwhile: not a clean measurement
+        if transfer.nbytes < SLOW_CHECK_BYTES or seconds <= 0 or shared or peer.rank.agent_name in self.slow_peers:
             return
         gbps = transfer.nbytes / seconds / 1e9
         if gbps < SLOW_GBPS[memory.value]:
@@ -371,8 +384,8 @@ class CacheReceiver:
             transfer.handle = self._loop.agent.read(
                 self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
-            # only long runs measure the transport: scattered head slabs are slow on any path
-            transfer.posted_at, transfer.nbytes = time.monotonic(), peer.plan.nbytes if coarse else 0
+            transfer.nbytes = self._measurable(peer, peer.plan.nbytes, coarse)
+            transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         else:
             if peer.slot is None:
                 try:
@@ -421,7 +434,8 @@ class CacheReceiver:
         last = peer.last_step and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
-        current.posted_at, current.nbytes = time.monotonic(), grant.nbytes
+        current.nbytes = self._measurable(peer, grant.nbytes, True)
+        current.posted_at, current.posts_before = time.monotonic(), self._posts
         current.handle = self._loop.agent.read_ranges(
             peer.rank.agent_name,
             np.array([[slot.address, grant.nbytes, slot.device_id]], dtype=np.uint64),
