@@ -48,3 +48,9 @@ def test_mismatched_layouts_staged_with_cupy_kernels(ctx: str, gen: str) -> None
 def test_layerwise_and_prefix_reuse_on_vram() -> None:
     _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--layerwise")
     _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--reuse-prefix", "1")
+
+
+@pytest.mark.parametrize(("ctx", "gen"), [("tp=2", "tp=1"), ("tp=1", "cp=2")])
+def test_mla_on_vram(ctx: str, gen: str) -> None:
+    common = ("--attention", "mla", "--layers", "4", "--head-dim", "576", "--tokens-per-block", "64")
+    _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,65,700", "--rounds", "2")
