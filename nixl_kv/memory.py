@@ -49,7 +49,3 @@ def on_device(region: MemoryRegion) -> Iterator[None]:
     with cupy.cuda.Device(region.device_id):
         yield
         cupy.cuda.get_current_stream().synchronize()
-
-
-def to_host(array: Any) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else array.get()

@@ -27,10 +27,6 @@ class ContextProgress:
             while self._ready < self.num_layers and self._done[self._ready]:
                 self._ready += 1
 
-    def mark_all_done(self) -> None:
-        for layer in range(self.num_layers):
-            self.mark_layer_done(layer)
-
     @property
     def layers_ready(self) -> int:
         """How many of this rank's layers, from its first, are done."""
