@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from formatters.kernels import copy_box
 from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind
-from nixl_kv.memory import on_device
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import (
     PeerSlice,
@@ -30,7 +30,6 @@ from nixl_kv.topology import (
     reader_ranks,
     share,
 )
-from nixl_kv.views import gather, scatter
 
 
 class StandardFormatter(Formatter):
@@ -206,17 +205,10 @@ class StandardFormatter(Formatter):
         return per_token * len(box.blocks) * state.model.tokens_per_block
 
     def pack(self, layout: KVLayout, views: list[Any], box: LocalBox, out: Any) -> int:
-        with on_device(layout.pools[0]):
-            values = gather(layout, views, box.block_ids, box.layers, box.heads)
-            flat = values.reshape(-1).view(out.dtype)
-            out[: flat.size] = flat
-        return int(flat.size)
+        return copy_box(layout, views, box.block_ids, box.layers, box.heads, out, to_pools=False)
 
     def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
-        count = len(box.layers) * layout.kv_factor * len(box.heads) * len(box.block_ids) * layout.tokens_per_block
-        with on_device(layout.pools[0]):
-            values = data[: count * layout.head_dim * layout.itemsize].view(views[0].dtype)
-            scatter(layout, views, box.block_ids, box.layers, box.heads, values)
+        copy_box(layout, views, box.block_ids, box.layers, box.heads, data, to_pools=True)
 
 
 def _heads(state: CacheState) -> int:
