@@ -45,6 +45,12 @@ def test_mismatched_layouts_staged_with_cupy_kernels(ctx: str, gen: str) -> None
     _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,33,200", "--rounds", "2")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float16"])
+def test_pack_kernel_for_every_element_width(dtype: str) -> None:
+    common = ("--layers", "3", "--kv-heads", "4", "--head-dim", "32", "--tokens-per-block", "16", "--dtype", dtype)
+    _pair("--gen=layout=nhd", *common, "--requests", "1,50")  # block-major -> NHD: always staged
+
+
 def test_layerwise_and_prefix_reuse_on_vram() -> None:
     _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--layerwise")
     _pair("--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--requests", "40,200", "--reuse-prefix", "1")
