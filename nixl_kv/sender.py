@@ -13,8 +13,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,9 @@ from nixl_kv.views import pool_views
 log = logging.getLogger(__name__)
 
 MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
+EARLY_GRACE_S = 1.0  # a claim, watch or NoReaders for a request this rank has not registered yet waits this long
+MAX_PARKED = 4096  # requests with early messages waiting; beyond it the oldest are dropped
+MAX_FINISHED = 4096  # recently finished requests, whose late messages are refused at once rather than parked
 
 
 @dataclass
@@ -80,6 +85,10 @@ class CacheSender:
         self._outgoing: dict[int, _Outgoing] = {}
         self._granted: dict[tuple[str, int], tuple[int, StagingSlot]] = {}  # (reader, transfer) -> (request, slot)
         self._known_readers: OrderedDict[str, None] = OrderedDict()  # LRU of loaded reader agents
+        # messages that arrived before this rank registered their request (ranks respond at slightly different
+        # times); READ completions are never parked: a READ before registration may have read unfinished KV
+        self._parked: OrderedDict[int, list[tuple[float, str, Any, Callable[[str, Any], None]]]] = OrderedDict()
+        self._finished: OrderedDict[int, None] = OrderedDict()
         loop.on_message(ReadDone, self._on_read_done)
         loop.on_message(StageClaim, self._on_stage_claim)
         loop.on_message(NoReaders, self._on_no_readers)
@@ -149,8 +158,39 @@ class CacheSender:
             return len(self._outgoing)
 
     # --- progress loop side ---------------------------------------------------------------------------
+    def _parked_early(self, reader: str, message: Any, handler: Callable[[str, Any], None]) -> bool:
+        """Park a message for a request of this instance that this rank has not registered yet."""
+        if message.ctx_instance_id != self._context.instance_id or message.request_id in self._finished:
+            return False
+        with self._lock:
+            if message.request_id in self._outgoing:
+                return False
+        self._parked.setdefault(message.request_id, []).append((time.monotonic(), reader, message, handler))
+        while len(self._parked) > MAX_PARKED:
+            self._drop_parked(*self._parked.popitem(last=False))
+        return True
+
+    def _replay_parked(self, now: float) -> None:
+        with self._lock:
+            ready = [rid for rid in self._parked if rid in self._outgoing]
+        for rid in ready:
+            for _, reader, message, handler in self._parked.pop(rid):
+                handler(reader, message)
+        stale = [rid for rid, waiting in self._parked.items() if now - waiting[0][0] > EARLY_GRACE_S]
+        for rid in stale:
+            self._drop_parked(rid, self._parked.pop(rid))
+
+    def _drop_parked(self, request_id: int, waiting: list) -> None:
+        """The request never showed up here: claims are refused, other messages dropped."""
+        self._finished[request_id] = None
+        for _, reader, message, handler in waiting:
+            if isinstance(message, StageClaim):
+                handler(reader, message)  # now refused: the request counts as finished
+
     def _on_stage_claim(self, reader: str, claim: StageClaim) -> None:
-        if not self._reachable(reader, claim.reader_metadata):
+        if not self._reachable(reader, claim.reader_metadata) or self._parked_early(
+            reader, claim, self._on_stage_claim
+        ):
             return
         grant = self._grant(reader, claim)
         try:
@@ -200,6 +240,8 @@ class CacheSender:
     def _on_layer_watch(self, reader: str, message: LayerWatch) -> None:
         if not self._reachable(reader, message.reader_metadata) or message.ctx_instance_id != self._context.instance_id:
             return
+        if self._parked_early(reader, message, self._on_layer_watch):
+            return
         with self._lock:
             entry = self._outgoing.get(message.request_id)
             if entry is None or entry.progress is None:
@@ -225,6 +267,8 @@ class CacheSender:
 
     def _on_no_readers(self, reader: str, message: NoReaders) -> None:
         if message.ctx_instance_id != self._context.instance_id or not self._reachable(reader, message.reader_metadata):
+            return
+        if self._parked_early(reader, message, self._on_no_readers):
             return
         with self._lock:
             entry = self._outgoing.get(message.request_id)
@@ -315,11 +359,15 @@ class CacheSender:
                 f"{entry.expected_readers or '?'} readers done",
             )
         self._staging.expire_leases(now)  # a slot whose lease ran out while granted is poisoned, never reused
-        return busy
+        self._replay_parked(now)
+        return busy or bool(self._parked)
 
     def _finish(self, entry: _Outgoing, failure: str | None) -> None:
         """End a request: poison slots a reader may still read, unpin its blocks, resolve its future."""
         rid = entry.request.request_id
+        self._finished[rid] = None
+        while len(self._finished) > MAX_FINISHED:
+            self._finished.popitem(last=False)
         for (reader, _), (request_id, slot) in self._granted.items():
             if request_id == rid and slot.state is SlotState.LEASED:
                 self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}")

@@ -349,3 +349,27 @@ def test_counters_reach_prometheus(pair_factory) -> None:
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_requests_total", labels) == 1.0
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_bytes_total", labels) == request.transfer_bytes
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_failures_total", labels) == 0.0
+
+
+@pytest.mark.parametrize("registers", [True, False], ids=["registers-late", "never-registers"])
+def test_claims_that_arrive_before_the_ctx_rank_registers(pair_factory, registers: bool) -> None:
+    # ranks of a ctx instance respond at slightly different times: a staged claim that reaches a rank first
+    # waits (up to EARLY_GRACE_S) instead of failing the request, and is refused if the request never shows up
+    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
+    sender = pair.ctx.transceiver._sender
+    ctx_request = pair.prefill(1, 40)
+    with sender._lock:
+        entry = sender._outgoing.pop(1)  # as if this rank had not called respond_and_send_async yet
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    time.sleep(0.2)
+    if registers:
+        with sender._lock:
+            sender._outgoing[1] = entry
+        assert _poll_gen(pair, 5) == "completed" and pair.mismatches(5, 1, 40) == 0
+    else:
+        start = time.monotonic()
+        assert _poll_gen(pair, 5) == "error"
+        assert "not pinned here" in request.error and time.monotonic() - start < 2.0
+        with sender._lock:
+            sender._outgoing[1] = entry  # give it back so that closing releases it
