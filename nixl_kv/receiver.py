@@ -27,6 +27,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
+from nixl_kv.peers import PeerDirectory
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
@@ -138,8 +139,7 @@ class CacheReceiver:
         self._by_transfer: dict[int, tuple[_Incoming, _PeerPull]] = {}
         self._transfer_ids = itertools.count(1)
         self._states: OrderedDict[bytes, DataTransceiverState] = OrderedDict()
-        self._peers: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
-        self._loaded_agents: set[str] = set()
+        self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents)
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
         self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
@@ -353,7 +353,7 @@ class CacheReceiver:
     def _next_step(self, incoming: _Incoming, peer: _PeerPull) -> bool:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
         if not peer.watching:
-            self._connect(peer.rank)
+            self._peers.connect(peer.rank)
             watch = LayerWatch(incoming.key[0], incoming.key[1], self._metadata)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(watch))
             peer.watching = True
@@ -371,7 +371,7 @@ class CacheReceiver:
     def _begin(self, incoming: _Incoming, peer: _PeerPull) -> None:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
         if peer.full.expected_readers == 0:
-            self._connect(peer.rank)
+            self._peers.connect(peer.rank)
             message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
             peer.done = True
@@ -379,7 +379,7 @@ class CacheReceiver:
         transfer = _Transfer(next(self._transfer_ids))
         if not peer.plan.staged:
             coarse = peer.plan.coarse
-            remote = self._remote_descriptors(peer.rank, coarse)
+            remote = self._peers.descriptors(peer.rank, coarse)
             notification = self._read_done(incoming, peer, transfer, final=peer.last_step)
             transfer.handle = self._loop.agent.read(
                 self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
@@ -394,7 +394,7 @@ class CacheReceiver:
                 except BufferExhaustedError:
                     peer.retry_at = time.monotonic() + CLAIM_RETRY_S
                     return
-            self._connect(peer.rank)
+            self._peers.connect(peer.rank)
             box = peer.plan.pieces[peer.next_piece]
             claim = StageClaim(
                 ctx_instance_id=incoming.key[0],
@@ -465,38 +465,9 @@ class CacheReceiver:
             )
         )
 
-    def _connect(self, rank: RankCommInfo) -> None:
-        if rank.agent_name in self._loaded_agents:
-            return
-        loaded = self._loop.agent.load_remote(rank.agent_metadata)
-        if loaded != rank.agent_name:
-            self._loop.agent.forget_remote(loaded)
-            raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
-        self._loaded_agents.add(loaded)
-
-    def _remote_descriptors(self, rank: RankCommInfo, coarse: bool) -> Any:
-        """Load a ctx rank's metadata and prepare its pool descriptors, once per peer (LRU-bounded)."""
-        rows = rank.layout.unit_descriptors(coarse)
-        key = (rank.agent_name, rows.tobytes())
-        prepared = self._peers.get(key)
-        if prepared is not None:
-            self._peers.move_to_end(key)
-            return prepared
-        self._connect(rank)
-        prepared = self._loop.agent.prepare(rank.agent_name, rows, rank.layout.pools[0].memory)
-        self._peers[key] = prepared
-        self._evict_idle_peers()
-        return prepared
-
-    def _evict_idle_peers(self) -> None:
-        """Beyond ``max_peers`` prepared lists, release the least recently used ones no active request reads."""
+    def _busy_agents(self) -> set[str]:
         with self._lock:
-            busy = {peer.rank.agent_name for incoming in self._active.values() for peer in incoming.peers}
-        for key in [k for k in self._peers if k[0] not in busy][: max(0, len(self._peers) - self._max_peers)]:
-            self._loop.agent.release_prepared(self._peers.pop(key))
-            if all(agent != key[0] for agent, _ in self._peers):
-                self._loaded_agents.discard(key[0])
-                self._loop.agent.forget_remote(key[0])
+            return {peer.rank.agent_name for incoming in self._active.values() for peer in incoming.peers}
 
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
         transfer = self._owned_transfer(sender, verdict.transfer_id, verdict.request_id)
@@ -559,7 +530,7 @@ class CacheReceiver:
     def _tell_ctx_failed(self, incoming: _Incoming, peer: _PeerPull, current: _Transfer | None, reason: str) -> None:
         """So the ctx rank releases the request now rather than at the end of its lease."""
         try:
-            self._connect(peer.rank)
+            self._peers.connect(peer.rank)
         except AgentError as exc:
             log.info("could not reach %s to report request %s failed: %s", peer.rank.agent_name, incoming.key, exc)
             return
