@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--dtype", choices=[d.value for d in DataType], default="bfloat16")
     pair.add_argument("--attention", choices=["mha", "mla"], default="mha")
     pair.add_argument("--requests", type=_requests, default=(256, 777, 1500, 3000))
-    pair.add_argument("--rounds", type=int, default=1)
+    pair.add_argument(
+        "--rounds", type=int, default=3, help="send the request list this many times (the first pays first contact)"
+    )
     pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pair.add_argument(
         "--timeout-ms",

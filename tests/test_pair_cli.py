@@ -47,9 +47,9 @@ def test_pair_defaults_are_a_real_model_shape() -> None:
     result = _pair("--json")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = _summary(result)
-    assert summary["verified"] == summary["requests"] == 4
+    assert summary["verified"] == summary["requests"] == 12  # 4 requests, 3 rounds
     # 32 layers x 2 x 8 heads x 128 dims x 2 bytes = 128 KiB per token, whole blocks of 32 tokens
-    assert summary["bytes"] == sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
+    assert summary["bytes"] == 3 * sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_pair_layerwise_reuse_and_deadline_options(extra: list[str]) -> None:
 def test_pair_deadline_too_short_fails_cleanly() -> None:
     # layers finish every 2 ms; a 1 ms deadline with in-flight cancellation ends requests in error, no hang
     common = ["--layers", "8", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16"]
-    result = _pair(*common, "--requests", "200,200", "--layerwise", "--timeout-ms", "1", "--json")
+    result = _pair(*common, "--requests", "200,200", "--rounds", "1", "--layerwise", "--timeout-ms", "1", "--json")
     assert result.returncode == 1
     summary = _summary(result)
     assert summary["failed"] == 2 and summary["verified"] == 0
