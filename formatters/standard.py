@@ -145,33 +145,20 @@ class StandardFormatter(Formatter):
         remote_layout = request.peer_state.comm.ranks[piece.peer_rank].layout
         box = Box(piece.layers, piece.heads, piece.blocks)
         nbytes = self.box_bytes(request.self_state.cache, box)
-        local = _local_units(local_layout, box, mine, local_blocks)
-        remote = _local_units(remote_layout, box, theirs, remote_blocks)
-        if _whole_segments(local_layout, remote_layout, piece, mine, theirs):  # consecutive blocks merge: direct
-            return PeerRead(
-                peer_rank=piece.peer_rank,
-                expected_readers=readers,
-                nbytes=nbytes,
-                layers=piece.layers,
-                local_indices=local_layout.segment_indices(local.block_ids, local.layers),
-                remote_indices=remote_layout.segment_indices(remote.block_ids, remote.layers),
-                coarse=True,
-            )
+        local = _to_local(box, mine, local_blocks)
+        remote = _to_local(box, theirs, remote_blocks)
+        coarse = _whole_segments(local_layout, remote_layout, piece, mine, theirs)  # consecutive blocks merge
         run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
-        if run and run >= request.direct_min_run_bytes:
+        if coarse or (run and run >= request.direct_min_run_bytes):
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
-            whole_chunks = not local_layout.heads_inner
             return PeerRead(
                 peer_rank=piece.peer_rank,
                 expected_readers=readers,
                 nbytes=nbytes,
                 layers=piece.layers,
-                local_indices=local_layout.unit_indices(
-                    local.block_ids, local.layers, None if whole_chunks else local.heads, block_first
-                ),
-                remote_indices=remote_layout.unit_indices(
-                    remote.block_ids, remote.layers, None if whole_chunks else remote.heads, block_first
-                ),
+                local_indices=_direct_indices(local_layout, local, coarse, block_first),
+                remote_indices=_direct_indices(remote_layout, remote, coarse, block_first),
+                coarse=coarse,
             )
         return PeerRead(piece.peer_rank, readers, nbytes, layers=piece.layers, pieces=self._pieces(request, box))
 
@@ -195,10 +182,7 @@ class StandardFormatter(Formatter):
         )
         if not inside:
             raise IncompatibleStateError(f"box {box} is not inside rank {rank}'s share {held}")
-        ids = np.asarray(block_ids, dtype=np.int64)[
-            box.blocks.start - held.blocks.start : box.blocks.stop - held.blocks.start
-        ]
-        return LocalBox(ids, _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+        return _to_local(box, held, block_ids)
 
     def box_bytes(self, state: CacheState, box: Box) -> int:
         per_token = len(box.layers) * state.kv_factor * len(box.heads) * state.model.head_dim * state.dtype.itemsize
@@ -224,9 +208,19 @@ def _shift(values: range, start: int) -> range:
     return range(values.start - start, values.stop - start)
 
 
-def _local_units(layout: KVLayout, box: Box, held: Share, block_ids: np.ndarray) -> LocalBox:
-    positions = np.arange(box.blocks.start - held.blocks.start, box.blocks.stop - held.blocks.start)
-    return LocalBox(block_ids[positions], _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+def _to_local(box: Box, held: Share, block_ids: np.ndarray) -> LocalBox:
+    """A global box in the terms of the rank whose share is ``held`` and whose block ids are ``block_ids``."""
+    start, stop = box.blocks.start - held.blocks.start, box.blocks.stop - held.blocks.start
+    ids = np.asarray(block_ids, dtype=np.int64)[start:stop]
+    return LocalBox(ids, _shift(box.layers, held.layers.start), _shift(box.heads, held.heads.start))
+
+
+def _direct_indices(layout: KVLayout, box: LocalBox, coarse: bool, block_first: bool) -> np.ndarray:
+    """Descriptor indices of a direct read: whole segments, or units (head slabs; whole chunks for NHD)."""
+    if coarse:
+        return layout.segment_indices(box.block_ids, box.layers)
+    heads = box.heads if layout.heads_inner else None
+    return layout.unit_indices(box.block_ids, box.layers, heads, block_first)
 
 
 def _whole_segments(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine: Share, theirs: Share) -> bool:

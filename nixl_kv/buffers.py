@@ -72,10 +72,9 @@ class CacheTransBufferManager:
             if slot.state is SlotState.FREE:
                 slot.state, slot.owner, slot.lease_deadline = SlotState.LEASED, owner, now + lease_s
                 return slot
-        poisoned = sum(slot.state is SlotState.POISONED for slot in self.slots)
         raise BufferExhaustedError(
-            f"all {len(self.slots)} staging slots are in use ({poisoned} poisoned); raise max_tokens_in_buffer "
-            "or the slot count, or wait for transfers to finish"
+            f"all {len(self.slots)} staging slots are in use ({self.poisoned_slots} poisoned); "
+            "raise max_tokens_in_buffer or the slot count, or wait for transfers to finish"
         )
 
     def release(self, slot: StagingSlot) -> None:
@@ -100,8 +99,12 @@ class CacheTransBufferManager:
             self.poison(slot, f"lease of {slot.owner!r} expired while granted")
         return expired
 
+    @property
+    def poisoned_slots(self) -> int:
+        return sum(slot.state is SlotState.POISONED for slot in self.slots)
+
     def has_poisoned_buffer(self) -> bool:
-        return any(slot.state is SlotState.POISONED for slot in self.slots)
+        return self.poisoned_slots > 0
 
     @property
     def free_slots(self) -> int:

@@ -227,10 +227,9 @@ class CacheTransceiver:
 
     def has_poisoned_transfer_buffer(self) -> bool:
         """True while memory a remote may still touch is held back from reuse."""
-        poisoned_slots = sum(slot.state.value == "poisoned" for slot in self._staging.slots)
         self.metrics.set_poisoned("gen", len(self._receiver.poisoned))
-        self.metrics.set_poisoned("ctx", poisoned_slots)
-        return bool(self._receiver.poisoned) or poisoned_slots > 0
+        self.metrics.set_poisoned("ctx", self._staging.poisoned_slots)
+        return bool(self._receiver.poisoned) or self._staging.has_poisoned_buffer()
 
     def get_serialized_data_transceiver_state(self) -> bytes:
         return self._serialized_state
