@@ -37,8 +37,9 @@ def test_pair_verifies_every_request(dtype: str, requests: str) -> None:
     count = len(requests.split(",")) * 2
     assert summary["requests"] == count and summary["verified"] == count
     assert summary["failed"] == 0 and summary["mismatched_elements"] == 0
-    tokens = sum(int(n) for n in requests.split(","))
-    assert summary["bytes"] > 2 * tokens * 4 * 2 * 2 * 16  # at least the tokens' own bytes, both rounds
+    itemsize = {"float32": 4, "int8": 1, "bfloat16": 2}[dtype]
+    blocks = sum(-(-int(n) // 32) for n in requests.split(","))
+    assert summary["bytes"] == 2 * blocks * 32 * 4 * 2 * 2 * 16 * itemsize  # whole blocks, once each, both rounds
     assert summary["seconds"] > 0 and summary["raw_read_gbps"] > 0
     assert "verified" in result.stdout and "[pair] round 2/2" in result.stderr
 
