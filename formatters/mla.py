@@ -2,14 +2,23 @@
 
 Replication is the standard topology's duplicated-head case (one kv head, TP ranks holding it): a gen rank
 reads each PP slice from one TP duplicate, and the readers spread over the duplicates. Gen-side CP splits a
-request's blocks contiguously over the gen CP ranks. What MLA does not support is refused before any byte moves.
+request's blocks contiguously over the gen CP ranks. The DSA indexer-K cache (uint8, ``indexer_dim`` bytes of
+quantized key plus a 4-byte scale per quant block, per token and layer) lives in its own pools with the same
+block ids; it follows the latent cache box by box, read directly as (block, layer) chunks merged into runs.
+What MLA does not support is refused before any byte moves.
 """
 
 from __future__ import annotations
 
-from formatters.standard import StandardFormatter
+import numpy as np
+
+from formatters.ranges import coalesce
+from formatters.standard import StandardFormatter, _to_local
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.interfaces import Box, RangeRead, ReadRequest
+from nixl_kv.layout import KVLayout, LayoutKind
 from nixl_kv.state import AttentionType, CacheState
+from nixl_kv.topology import PeerSlice, Share
 
 
 class MLAFormatter(StandardFormatter):
@@ -20,7 +29,59 @@ class MLAFormatter(StandardFormatter):
         for side, state in (("gen", self_state), ("ctx", peer_state)):
             if state.kv_factor != 1 or set(state.model.num_kv_heads_per_layer) != {1}:
                 raise IncompatibleStateError(f"{side}: an MLA cache has kv_factor 1 and one latent head per layer")
-            if state.has_indexer_k_cache:
-                raise NotSupportedError(f"{side}: the DSA indexer-K cache is not supported yet")
+        indexer = [
+            f"{name}: ours {getattr(self_state, name)!r}, peer {getattr(peer_state, name)!r}"
+            for name in ("has_indexer_k_cache", "indexer_dim", "indexer_k_quant_block_size")
+            if self_state.has_indexer_k_cache | peer_state.has_indexer_k_cache
+            and getattr(self_state, name) != getattr(peer_state, name)
+        ]
+        if indexer:
+            raise IncompatibleStateError("ctx and gen indexer-K caches differ: " + "; ".join(indexer))
         if peer_state.parallel.cp != 1:
             raise NotSupportedError(f"MLA needs ctx CP 1 (ctx has cp={peer_state.parallel.cp}); gen CP is supported")
+
+    def box_extras(
+        self, request: ReadRequest, piece: PeerSlice, mine: Share, theirs: Share, local_blocks: np.ndarray
+    ) -> list[RangeRead]:
+        gen = request.self_state.cache
+        if not gen.has_indexer_k_cache:
+            return []
+        remote_layout = request.peer_state.comm.ranks[piece.peer_rank].indexer
+        local_layout = request.self_indexer
+        remote_blocks = self._peer_blocks(request, piece.peer_rank, theirs)
+        _check_indexer(local_layout, gen, mine, request.self_layout.num_blocks, "gen")
+        ctx_kv = request.peer_state.comm.ranks[piece.peer_rank].layout
+        _check_indexer(remote_layout, gen, theirs, ctx_kv.num_blocks, f"ctx rank {piece.peer_rank}")
+        box = Box(piece.layers, piece.heads, piece.blocks)
+        local, remote = _to_local(box, mine, local_blocks), _to_local(box, theirs, remote_blocks)
+        block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
+        local_at = local_layout.chunk_addresses(local.block_ids, local.layers, block_first)
+        remote_at = remote_layout.chunk_addresses(remote.block_ids, remote.layers, block_first)
+        rows = coalesce(
+            local_at,
+            remote_at,
+            np.full(len(local_at), local_layout.chunk_bytes),
+            local_layout.pools[0].device_id,
+            remote_layout.pools[0].device_id,
+        )
+        return [RangeRead("indexer-K cache", *rows)]
+
+
+def _check_indexer(layout: KVLayout | None, state: CacheState, held: Share, num_blocks: int, who: str) -> None:
+    """The indexer pools must be one uint8 "head" per layer of ``indexer_bytes_per_token`` per token, with as
+    many blocks as the KV pools (they share block ids)."""
+    if layout is None:
+        raise IncompatibleStateError(f"{who} keeps no indexer-K cache pools")
+    want = {
+        "num_layers": len(held.layers),
+        "kv_factor": 1,
+        "num_heads": 1,
+        "tokens_per_block": state.model.tokens_per_block,
+        "head_dim": state.indexer_bytes_per_token,
+        "itemsize": 1,
+        "num_blocks": num_blocks,
+    }
+    wrong = [f"{k} {getattr(layout, k)} (expected {v})" for k, v in want.items() if getattr(layout, k) != v]
+    wrong += layout.problems()
+    if wrong:
+        raise IncompatibleStateError(f"{who}: indexer-K pools do not match: {'; '.join(wrong)}")

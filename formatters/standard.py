@@ -11,13 +11,16 @@ unpacks it.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from formatters.kernels import copy_box
+from formatters.rnn import RnnFormatter
 from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupportedError
-from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, ReadRequest
+from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import KVLayout, LayoutKind
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import (
@@ -34,6 +37,9 @@ from nixl_kv.topology import (
 
 class StandardFormatter(Formatter):
     attention_type = AttentionType.DEFAULT
+
+    def __init__(self) -> None:
+        self._rnn = RnnFormatter()
 
     def inquire_support(self, self_state: CacheState, peer_state: CacheState) -> None:
         differences = [
@@ -60,6 +66,13 @@ class StandardFormatter(Formatter):
             if len(set(state.model.num_kv_heads_per_layer)) != 1:
                 raise NotSupportedError(f"{side}: layers with different kv head counts are not supported")
             head_duplication(state.parallel, _heads(state))  # raises when heads do not split over TP
+        if (
+            self.attention_type is AttentionType.DEFAULT
+            and self_state.has_indexer_k_cache | peer_state.has_indexer_k_cache
+        ):
+            raise NotSupportedError("the indexer-K cache belongs to MLA (DSA) models; this cache is not MLA")
+        for planner in self.state_planners:
+            planner.inquire_support(self_state, peer_state)
 
     # --- planning (gen side) ---------------------------------------------------------------------------
     def plan(self, request: ReadRequest) -> list[PeerRead]:
@@ -87,17 +100,45 @@ class StandardFormatter(Formatter):
         if request.layers is not None:
             slices = tuple(_restrict(piece, request.layers) for piece in slices)
             slices = tuple(piece for piece in slices if len(piece.layers))
-        reads = []
+
+        def readers(peer_rank: int) -> frozenset[int]:
+            """Every gen rank that reads any part of the request from ``peer_rank``."""
+            kv = reader_ranks(
+                ctx.parallel, peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first
+            )
+            return frozenset(kv).union(*(planner.readers(request, peer_rank) for planner in self.state_planners))
+
+        reads = {}
         for piece in slices:
             theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
             remote_ids = self._peer_blocks(request, piece.peer_rank, theirs)
-            readers = reader_ranks(
-                ctx.parallel, piece.peer_rank, gen.parallel, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first
-            )
-            reads.append(self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids, len(readers)))
-        if request.only_peer is not None:
-            return reads
-        return reads + self._unneeded(request, heads, num_blocks, gen_dp_rank, first)
+            reads[piece.peer_rank] = self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids)
+        if request.only_peer is not None or request.layers is not None:  # a layer-wise step: the KV part only
+            return [dataclasses.replace(read, expected_readers=len(readers(peer))) for peer, read in reads.items()]
+        extras: dict[int, list[RangeRead]] = {}
+        for piece in slices:
+            theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
+            for extra in self.box_extras(request, piece, mine, theirs, local_blocks):
+                extras.setdefault(piece.peer_rank, []).append(extra)
+        for planner in self.state_planners:
+            for peer, extra in planner.reads(request).items():
+                extras.setdefault(peer, []).append(extra)
+        for peer, more in extras.items():
+            reads.setdefault(peer, PeerRead(peer, 0, 0))
+            reads[peer] = dataclasses.replace(reads[peer], extras=tuple(more))
+        plan = [dataclasses.replace(read, expected_readers=len(readers(peer))) for peer, read in reads.items()]
+        return plan + self._unneeded(request, gen_dp_rank, readers)
+
+    @property
+    def state_planners(self) -> tuple[StatePlanner, ...]:
+        """Per-request state moved beside the paged KV (the Mamba state of hybrid models)."""
+        return (self._rnn,)
+
+    def box_extras(
+        self, request: ReadRequest, piece: PeerSlice, mine: Share, theirs: Share, local_blocks: np.ndarray
+    ) -> list[RangeRead]:
+        """Reads of paged state that follows the KV box by box (MLA: the indexer-K cache); none here."""
+        return []
 
     @staticmethod
     def first_needed_block(state: CacheState, num_blocks: int, reused_blocks: int) -> int:
@@ -108,7 +149,7 @@ class StandardFormatter(Formatter):
         return min(num_blocks, max(reused_blocks, outside))
 
     @staticmethod
-    def _unneeded(request: ReadRequest, heads: int, num_blocks: int, gen_dp_rank: int, first: int) -> list[PeerRead]:
+    def _unneeded(request: ReadRequest, gen_dp_rank: int, readers: Callable[[int], frozenset[int]]) -> list[PeerRead]:
         """On the first gen rank of the request: the ctx ranks holding part of it that no gen rank reads."""
         gen, ctx = request.self_state.cache.parallel, request.peer_state.cache.parallel
         first_rank = next(rank for rank in range(gen.world_size) if holds_request(gen, rank, gen_dp_rank))
@@ -117,8 +158,7 @@ class StandardFormatter(Formatter):
         return [
             PeerRead(peer_rank=rank, expected_readers=0, nbytes=0)
             for rank in range(ctx.world_size)
-            if holds_request(ctx, rank, request.peer_dp_rank)
-            and not reader_ranks(ctx, rank, gen, heads, num_blocks, request.peer_dp_rank, gen_dp_rank, first)
+            if holds_request(ctx, rank, request.peer_dp_rank) and not readers(rank)
         ]
 
     def _peer_blocks(self, request: ReadRequest, peer_rank: int, theirs: Share) -> np.ndarray:
@@ -139,8 +179,8 @@ class StandardFormatter(Formatter):
         theirs: Share,
         local_blocks: np.ndarray,
         remote_blocks: np.ndarray,
-        readers: int,
     ) -> PeerRead:
+        """The KV part; ``expected_readers`` is filled in by ``plan`` once every part is known."""
         local_layout = request.self_layout
         remote_layout = request.peer_state.comm.ranks[piece.peer_rank].layout
         box = Box(piece.layers, piece.heads, piece.blocks)
@@ -153,14 +193,16 @@ class StandardFormatter(Formatter):
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
             return PeerRead(
                 peer_rank=piece.peer_rank,
-                expected_readers=readers,
+                expected_readers=0,
                 nbytes=nbytes,
                 layers=piece.layers,
+                blocks=piece.blocks,
                 local_indices=_direct_indices(local_layout, local, coarse, block_first),
                 remote_indices=_direct_indices(remote_layout, remote, coarse, block_first),
                 coarse=coarse,
             )
-        return PeerRead(piece.peer_rank, readers, nbytes, layers=piece.layers, pieces=self._pieces(request, box))
+        pieces = self._pieces(request, box)
+        return PeerRead(piece.peer_rank, 0, nbytes, layers=piece.layers, blocks=piece.blocks, pieces=pieces)
 
     def _pieces(self, request: ReadRequest, box: Box) -> tuple[Box, ...]:
         per_block = self.box_bytes(request.self_state.cache, Box(box.layers, box.heads, range(1)))

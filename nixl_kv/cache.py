@@ -8,11 +8,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from nixl_kv.allocator import BlockAllocator
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
-from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind
+from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, RnnLayout
 from nixl_kv.memory import allocate, on_device, region_of
-from nixl_kv.views import gather, scatter
+from nixl_kv.rnn_cache import RnnStatePools
+from nixl_kv.views import gather, pool_views, scatter
+
+__all__ = ["BlockAllocator", "CacheManager", "PagedKVCache"]
 
 
 @runtime_checkable
@@ -25,6 +29,11 @@ class CacheManager(Protocol):
 
     ``layout`` describes the pools (registered once with the agent). ``pin`` returns a request's block ids
     and keeps them from being freed or reused until ``unpin``; the ctx side pins for the life of a transfer.
+
+    Optional, for caches that keep more than paged KV (read with ``getattr``; absent means None):
+    ``indexer_layout`` (the DSA indexer-K pools of an MLA cache, indexed by the same block ids),
+    ``rnn_layout`` (Mamba state pools) with ``rnn_slot(request_id)``, the request's state slot. Every rank of an
+    instance gives a request the same slot, as it gives it the same block ids; ``pin`` covers the slot too.
     """
 
     @property
@@ -37,37 +46,10 @@ class CacheManager(Protocol):
     def unpin(self, request_id: int) -> None: ...
 
 
-class BlockAllocator:
-    """Free blocks as a mask; allocation takes the lowest free ids in ascending order, so a request's blocks
-    tend to be contiguous and transfers merge them into long runs. Vectorised: no Python loop per block."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = np.ones(num_blocks, dtype=bool)
-        self._free_count = num_blocks
-
-    @property
-    def free_blocks(self) -> int:
-        return self._free_count
-
-    def allocate(self, count: int) -> np.ndarray:
-        if count < 0:
-            raise ValueError(f"cannot allocate {count} blocks")
-        if count > self._free_count:
-            raise BufferExhaustedError(f"need {count} blocks, {self._free_count} of {self.num_blocks} are free")
-        blocks = np.flatnonzero(self._free)[:count]
-        self._free[blocks] = False
-        self._free_count -= count
-        return blocks
-
-    def free(self, blocks: np.ndarray) -> None:
-        self._free[np.asarray(blocks, dtype=np.int64)] = True
-        self._free_count += len(blocks)
-
-
 @dataclass
 class _Allocation:
     blocks: np.ndarray
+    slot: int | None = None  # the Mamba state slot, for caches with RNN state
     pins: int = 0
     freed: bool = False
 
@@ -90,8 +72,12 @@ class PagedKVCache:
     kind: LayoutKind = LayoutKind.BLOCK_MAJOR
     memory: MemoryKind = MemoryKind.DRAM
     device_id: int = 0
+    indexer_bytes_per_token: int = 0  # > 0: also keep a DSA indexer-K cache (uint8) in the same kind of pools
+    rnn: RnnStatePools | None = None  # Mamba state of hybrid models, one slot per request
     pools: list[Any] = field(init=False)
     layout: KVLayout = field(init=False)
+    indexer_layout: KVLayout | None = field(init=False, default=None)
+    indexer_pools: list[Any] = field(init=False, default_factory=list)
     _allocator: BlockAllocator = field(init=False)
     _requests: dict[int, _Allocation] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -108,16 +94,28 @@ class PagedKVCache:
         for pool in self.pools:
             pool.fill(0)  # touch every page now, not on the first transfer
         self._allocator = BlockAllocator(self.num_blocks)
-        self.layout = KVLayout(
-            kind=self.kind,
+        self.layout = self._describe(self.kind, K, H, D, self.dtype.itemsize, self.pools)
+        if self.indexer_bytes_per_token:
+            per_layer = self.kind is not LayoutKind.BLOCK_MAJOR
+            kind = LayoutKind.PER_LAYER_HND if per_layer else LayoutKind.BLOCK_MAJOR
+            B = self.indexer_bytes_per_token
+            shapes = [(self.num_blocks, 1, T, B)] * L if per_layer else [(self.num_blocks, L, 1, 1, T, B)]
+            self.indexer_pools = [allocate(shape, np.dtype(np.uint8), self.memory, self.device_id) for shape in shapes]
+            for pool in self.indexer_pools:
+                pool.fill(0)
+            self.indexer_layout = self._describe(kind, 1, 1, B, 1, self.indexer_pools)
+
+    def _describe(self, kind: LayoutKind, kv: int, heads: int, dim: int, itemsize: int, pools: list[Any]) -> KVLayout:
+        return KVLayout(
+            kind=kind,
             num_blocks=self.num_blocks,
-            num_layers=L,
-            kv_factor=K,
-            num_heads=H,
-            tokens_per_block=T,
-            head_dim=D,
-            itemsize=self.dtype.itemsize,
-            pools=tuple(region_of(pool, self.memory, self.device_id) for pool in self.pools),
+            num_layers=self.num_layers,
+            kv_factor=kv,
+            num_heads=heads,
+            tokens_per_block=self.tokens_per_block,
+            head_dim=dim,
+            itemsize=itemsize,
+            pools=tuple(region_of(pool, self.memory, self.device_id) for pool in pools),
         )
 
     # --- allocation --------------------------------------------------------------------------------
@@ -135,7 +133,14 @@ class PagedKVCache:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id} already holds blocks")
             blocks = self._allocator.allocate(self.blocks_for(num_tokens))
-            self._requests[request_id] = _Allocation(blocks)
+            slot = None
+            if self.rnn is not None:
+                try:
+                    slot = int(self.rnn.slots.allocate(1)[0])
+                except BufferExhaustedError:
+                    self._allocator.free(blocks)
+                    raise
+            self._requests[request_id] = _Allocation(blocks, slot)
             return blocks
 
     def free(self, request_id: int) -> None:
@@ -173,6 +178,19 @@ class PagedKVCache:
         if entry.freed and entry.pins <= 0:
             del self._requests[request_id]
             self._allocator.free(entry.blocks)
+            if entry.slot is not None:
+                self.rnn.slots.free([entry.slot])
+
+    @property
+    def rnn_layout(self) -> RnnLayout | None:
+        return None if self.rnn is None else self.rnn.layout
+
+    def rnn_slot(self, request_id: int) -> int:
+        with self._lock:
+            entry = self._requests.get(request_id)
+        if entry is None or entry.slot is None:
+            raise KeyError(f"request {request_id} holds no RNN state slot in this cache")
+        return entry.slot
 
     # --- element access (tests, fill and verify) ---------------------------------------------------
     def read_tokens(self, request_id: int, num_tokens: int) -> Any:
@@ -189,6 +207,22 @@ class PagedKVCache:
             full = gather(self.layout, self.pools, blocks, layers, heads)
             full[..., : values.shape[3], :] = values
             scatter(self.layout, self.pools, blocks, layers, heads, full)
+
+    def read_indexer(self, request_id: int, num_tokens: int) -> Any:
+        """The request's first indexer-K tokens as ``[layer, token, bytes]`` (a copy)."""
+        layout = self.indexer_layout
+        with on_device(layout.pools[0]):
+            data = gather(layout, pool_views(layout), self.block_ids(request_id), range(self.num_layers), range(1))
+            return data[:, 0, 0, :num_tokens]
+
+    def write_indexer(self, request_id: int, values: Any) -> None:
+        """Write ``[layer, token, bytes]`` into the request's first indexer-K tokens (synchronous)."""
+        layout, blocks, layers = self.indexer_layout, self.block_ids(request_id), range(self.num_layers)
+        with on_device(layout.pools[0]):
+            views = pool_views(layout)
+            full = gather(layout, views, blocks, layers, range(1))
+            full[:, 0, 0, : values.shape[1]] = values
+            scatter(layout, views, blocks, layers, range(1), full)
 
     def _box(self, request_id: int) -> tuple[np.ndarray, range, range]:
         return self.block_ids(request_id), range(self.num_layers), range(self.num_heads)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nixl_kv.layout import KVLayout, MemoryKind, MemoryRegion
+from nixl_kv.layout import KVLayout, MemoryKind, MemoryRegion, RnnLayout
 from nixl_kv.state import CacheState, DataTransceiverState
 
 
@@ -117,27 +117,52 @@ class LocalBox:
 
 
 @dataclass(frozen=True)
+class RangeRead:
+    """A direct READ of explicit Nx3 (address, length, device) rows, entry i of the remote rows into entry i of
+    the local ones: state beside the paged KV (Mamba state, the indexer-K cache), read after the KV."""
+
+    what: str
+    local_rows: np.ndarray
+    remote_rows: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local_rows[:, 1].sum())
+
+
+@dataclass(frozen=True)
 class PeerRead:
     """What one gen rank takes from one ctx rank.
 
     Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
     Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
-    ``expected_readers`` is how many gen ranks read this request from that ctx rank; 0 means none does, and
-    this gen rank (the request's first) tells the ctx rank so (``NoReaders``).
+    ``extras`` are read after the KV (``has_kv`` False: only they come from this peer). ``expected_readers``
+    is how many gen ranks read this request from that ctx rank, whatever part; 0 means none does, and this gen
+    rank (the request's first) tells the ctx rank so (``NoReaders``).
     """
 
     peer_rank: int
     expected_readers: int
-    nbytes: int
+    nbytes: int  # of the KV part
     layers: range = range(0)  # the global layers this read covers
+    blocks: range = range(0)  # the block positions in the request it covers
     local_indices: np.ndarray | None = None
     remote_indices: np.ndarray | None = None
     coarse: bool = False  # the indices address whole segments (``KVLayout.unit_descriptors(coarse=True)``)
     pieces: tuple[Box, ...] = ()
+    extras: tuple[RangeRead, ...] = ()
 
     @property
     def staged(self) -> bool:
         return bool(self.pieces)
+
+    @property
+    def has_kv(self) -> bool:
+        return self.local_indices is not None or self.staged
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes + sum(extra.nbytes for extra in self.extras)
 
 
 @dataclass(frozen=True)
@@ -157,6 +182,25 @@ class ReadRequest:
     only_peer: int | None = None  # plan only the reads from this ctx rank
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
     direct_min_run_bytes: int = 8192  # shorter runs of partial slices are staged (see CacheTransceiverConfig)
+    self_indexer: KVLayout | None = None  # the gen rank's indexer-K pools (MLA with DSA)
+    self_rnn: RnnLayout | None = None  # the gen rank's Mamba state pools
+    local_rnn_slot: int | None = None
+    peer_rnn_slot: int | None = None
+
+
+class StatePlanner(ABC):
+    """Plans the direct reads of one kind of per-request state kept beside the paged KV (Mamba state)."""
+
+    @abstractmethod
+    def inquire_support(self, self_state: CacheState, peer_state: CacheState) -> None: ...
+
+    @abstractmethod
+    def reads(self, request: ReadRequest) -> dict[int, RangeRead]:
+        """What this gen rank reads, by ctx rank."""
+
+    @abstractmethod
+    def readers(self, request: ReadRequest, peer_rank: int) -> frozenset[int]:
+        """The gen ranks that read this state from ``peer_rank``."""
 
 
 class Formatter(ABC):

@@ -147,3 +147,88 @@ class KVLayout:
         else:
             index = (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
         return np.ascontiguousarray(index, dtype=np.int32).reshape(-1)
+
+    def chunk_addresses(self, blocks: np.ndarray, layers: range, block_first: bool) -> np.ndarray:
+        """Addresses of a box's (block, layer, kv) chunks (all heads), ordered (block, layer, kv) when
+        ``block_first`` else (layer, kv, block); both sides of a read list a box in the same order."""
+        b = np.asarray(blocks, dtype=np.int64)
+        chunks = np.arange(layers.start * self.kv_factor, layers.stop * self.kv_factor, dtype=np.int64)
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            grid = b[:, None] * (self.num_layers * self.kv_factor) + chunks[None, :]
+            addresses = self.pools[0].address + grid * self.chunk_bytes
+        else:
+            bases = np.array([pool.address for pool in self.pools], dtype=np.int64)
+            addresses = bases[chunks][None, :] + b[:, None] * self.chunk_bytes
+        return (addresses if block_first else addresses.T).reshape(-1)
+
+
+@dataclass(frozen=True)
+class RnnLayout:
+    """One rank's Mamba state pools: ``[layer, slot, ...]`` in one region per pool kind (TensorRT-LLM's
+    layout), or one region per layer holding ``[slot, ...]`` (vLLM's). Conv and SSM have their own dtypes."""
+
+    num_layers: int
+    num_slots: int
+    conv_channels: int
+    conv_width: int  # d_conv - 1
+    conv_itemsize: int
+    num_heads: int
+    head_dim: int
+    d_state: int
+    ssm_itemsize: int
+    conv_pools: tuple[MemoryRegion, ...]
+    ssm_pools: tuple[MemoryRegion, ...]
+
+    @property
+    def channel_bytes(self) -> int:
+        return self.conv_width * self.conv_itemsize
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * self.d_state * self.ssm_itemsize
+
+    @property
+    def conv_slot_bytes(self) -> int:
+        return self.conv_channels * self.channel_bytes
+
+    @property
+    def ssm_slot_bytes(self) -> int:
+        return self.num_heads * self.head_bytes
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return self.conv_pools + self.ssm_pools
+
+    def conv_address(self, layer: int, slot: int) -> int:
+        return _address(self.conv_pools, self.num_slots * self.conv_slot_bytes, self.conv_slot_bytes, layer, slot)
+
+    def ssm_address(self, layer: int, slot: int) -> int:
+        return _address(self.ssm_pools, self.num_slots * self.ssm_slot_bytes, self.ssm_slot_bytes, layer, slot)
+
+    def problems(self) -> list[str]:
+        found = []
+        dims = (self.num_layers, self.num_slots, self.conv_channels, self.conv_width, self.conv_itemsize)
+        if min(dims + (self.num_heads, self.head_dim, self.d_state, self.ssm_itemsize)) < 1:
+            return ["every RNN state dimension must be at least 1"]
+        for name, pools, slot_bytes in (
+            ("conv", self.conv_pools, self.conv_slot_bytes),
+            ("ssm", self.ssm_pools, self.ssm_slot_bytes),
+        ):
+            layer_bytes = self.num_slots * slot_bytes
+            if len(pools) == 1:
+                need = self.num_layers * layer_bytes
+            elif len(pools) == self.num_layers:
+                need = layer_bytes
+            else:
+                found.append(f"{name} state needs 1 or {self.num_layers} pools, got {len(pools)}")
+                continue
+            found += [
+                f"{name} pool {i} holds {p.nbytes} bytes, needs {need}" for i, p in enumerate(pools) if p.nbytes < need
+            ]
+        return found
+
+
+def _address(pools: tuple[MemoryRegion, ...], layer_bytes: int, slot_bytes: int, layer: int, slot: int) -> int:
+    if len(pools) == 1:
+        return pools[0].address + layer * layer_bytes + slot * slot_bytes
+    return pools[layer].address + slot * slot_bytes

@@ -68,6 +68,8 @@ class _PeerPull:
     rank: RankCommInfo
     plan: PeerRead | None = None
     next_piece: int = 0
+    next_extra: int = 0  # once the KV part is read: the next of ``full.extras``
+    kv_left: bool = True
     current: _Transfer | None = None
     slot: StagingSlot | None = None
     retry_at: float = 0.0
@@ -78,10 +80,21 @@ class _PeerPull:
     planned_below: int = 0
 
     def __post_init__(self) -> None:
+        self.kv_left = self.full.has_kv
         if self.layerwise:
             self.planned_below = self.full.layers.start
-        else:
+        elif self.kv_left:
             self.plan = self.full
+
+    @property
+    def staged(self) -> bool:
+        """The step in progress reads a staged piece."""
+        return self.kv_left and self.plan is not None and self.plan.staged
+
+    @property
+    def final_kv_read(self) -> bool:
+        """The KV READ about to be posted is the last READ from this peer (no extras follow)."""
+        return self.last_step and not self.full.extras
 
     @property
     def last_step(self) -> bool:
@@ -203,11 +216,15 @@ class CacheReceiver:
             first_block=request.reused_blocks,
             stage_bytes=self._stage_bytes(ctx_state),
             direct_min_run_bytes=self._direct_min_run_bytes,
+            self_indexer=getattr(self._cache, "indexer_layout", None),
+            self_rnn=getattr(self._cache, "rnn_layout", None),
+            local_rnn_slot=_rnn_slot(self._cache, request.request_id),
+            peer_rnn_slot=params.rnn_slot,
         )
         plan = self._formatter.plan(read_request)
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
         request.num_tokens = params.num_tokens
-        request.transfer_bytes = sum(read.nbytes for read in plan)
+        request.transfer_bytes = sum(read.total_bytes for read in plan)
         budget_ms = params.lease_ms  # the ctx side releases the blocks then: reading later cannot succeed
         key = (ctx_state.instance_id, params.request_id)
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
@@ -216,8 +233,7 @@ class CacheReceiver:
         incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
         layerwise = params.layerwise
         incoming.peers = [
-            _PeerPull(read, ctx_state.comm.ranks[read.peer_rank], layerwise=layerwise and read.expected_readers > 0)
-            for read in plan
+            _PeerPull(read, ctx_state.comm.ranks[read.peer_rank], layerwise=layerwise and read.has_kv) for read in plan
         ]
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
@@ -286,19 +302,19 @@ class CacheReceiver:
         current = peer.current
         if current is None:
             return f"waiting for layers from {peer.planned_below}" if peer.layerwise else "not started"
-        if peer.plan.staged and current.grant is None:
+        if peer.staged and current.grant is None:
             return "waiting for a stage grant"
         return "READ in flight" if not current.finished else "waiting for the ctx confirmation"
 
     def _advance_peer(self, incoming: _Incoming, peer: _PeerPull, now: float) -> None:
         current = peer.current
         if current is None:
-            if peer.plan is None and not self._next_step(incoming, peer):
+            if peer.kv_left and peer.plan is None and not self._next_step(incoming, peer):
                 return
             if now >= peer.retry_at:
                 self._begin(incoming, peer)
             return
-        if peer.plan.staged and current.handle is None and not current.finished:
+        if peer.staged and current.handle is None and not current.finished:
             self._on_granted(incoming, peer, current, now)
             return
         if not current.finished:
@@ -310,7 +326,7 @@ class CacheReceiver:
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
             self._transport_check(peer, current, now)
-            if peer.plan.staged:
+            if peer.staged:
                 self._unpack(incoming, peer)
             current.finished = True  # only once the bytes are in place
         if current.verdict is None:
@@ -319,10 +335,16 @@ class CacheReceiver:
             raise TransferError(f"ctx side refused: {peer.rank.agent_name}: {current.verdict}")
         self._by_transfer.pop(current.transfer_id, None)
         peer.current = None
+        if not peer.kv_left:
+            peer.next_extra += 1
+            peer.done = peer.next_extra >= len(peer.full.extras)
+            return
         peer.next_piece += 1
         if not peer.plan.staged or peer.next_piece == len(peer.plan.pieces):
             peer.plan, peer.next_piece = None, 0
-            peer.done = peer.last_step
+            if peer.last_step:
+                peer.kv_left = False
+                peer.done = not peer.full.extras
 
     def _measurable(self, peer: _PeerPull, nbytes: int, long_runs: bool) -> int:
         """Bytes to time for the transport check, or 0: only long runs (scattered head slabs are slow on any
@@ -377,10 +399,23 @@ class CacheReceiver:
             peer.done = True
             return
         transfer = _Transfer(next(self._transfer_ids))
-        if not peer.plan.staged:
+        if not peer.kv_left:
+            extra = peer.full.extras[peer.next_extra]
+            self._peers.connect(peer.rank)
+            final = peer.next_extra == len(peer.full.extras) - 1
+            transfer.handle = self._loop.agent.read_ranges(
+                peer.rank.agent_name,
+                extra.local_rows,
+                self._cache.layout.pools[0].memory,
+                extra.remote_rows,
+                peer.rank.layout.pools[0].memory,
+                self._read_done(incoming, peer, transfer, final=final),
+            )
+            transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
+        elif not peer.plan.staged:
             coarse = peer.plan.coarse
             remote = self._peers.descriptors(peer.rank, coarse)
-            notification = self._read_done(incoming, peer, transfer, final=peer.last_step)
+            notification = self._read_done(incoming, peer, transfer, final=peer.final_kv_read)
             transfer.handle = self._loop.agent.read(
                 self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
@@ -431,7 +466,7 @@ class CacheReceiver:
                 f"{peer.rank.agent_name} granted {grant.nbytes} bytes for a {box_bytes}-byte box "
                 f"(local slot {peer.slot.region.nbytes} bytes)"
             )
-        last = peer.last_step and peer.next_piece == len(peer.plan.pieces) - 1
+        last = peer.final_kv_read and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
         current.nbytes = self._measurable(peer, grant.nbytes, True)
@@ -570,3 +605,8 @@ class CacheReceiver:
             active = list(self._active.values())
         for incoming in active:
             self._fail(incoming, "the transceiver was closed")
+
+
+def _rnn_slot(cache: CacheManager, request_id: int) -> int | None:
+    """The request's Mamba state slot, for caches that keep RNN state (``rnn_layout`` not None)."""
+    return cache.rnn_slot(request_id) if getattr(cache, "rnn_layout", None) is not None else None

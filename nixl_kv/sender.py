@@ -120,6 +120,7 @@ class CacheSender:
             first_gen_tokens=request.first_gen_tokens,
             draft_tokens=request.draft_tokens,
             layerwise=progress is not None,
+            rnn_slot=self._cache.rnn_slot(request.request_id) if self._context.cache_state.rnn is not None else None,
         )
         request.transfer_start = time.monotonic()
         request.transfer_bytes = len(blocks) * self._cache.layout.block_bytes

@@ -11,7 +11,7 @@ from enum import Enum
 from typing import Any
 
 from nixl_kv.dtypes import DataType
-from nixl_kv.layout import KVLayout, MemoryRegion
+from nixl_kv.layout import KVLayout, MemoryRegion, RnnLayout
 
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
@@ -101,6 +101,16 @@ class RnnConfig:
     ssm_dtype: DataType = DataType.FLOAT32
     layers_per_pp_rank: tuple[int, ...] = field(default=(), metadata=bounds(0, MAX_LAYERS, max_items=MAX_RANKS))
 
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers_per_pp_rank)
+
+    def problems(self) -> list[str]:
+        found = [] if self.d_conv >= 2 else [f"d_conv must be at least 2, got {self.d_conv}"]
+        if not self.num_layers:
+            found.append("an RNN config needs at least one Mamba layer")
+        return found
+
 
 @dataclass(frozen=True)
 class CacheState:
@@ -129,7 +139,18 @@ class CacheState:
             found.append("MLA caches have kv_factor 1")
         if self.has_indexer_k_cache and self.indexer_dim == 0:
             found.append("an indexer-K cache needs indexer_dim > 0")
+        if self.rnn is not None and len(self.rnn.layers_per_pp_rank) != self.parallel.pp:
+            found.append(
+                f"rnn layers_per_pp_rank has {len(self.rnn.layers_per_pp_rank)} entries, pp is {self.parallel.pp}"
+            )
         return found
+
+    @property
+    def indexer_bytes_per_token(self) -> int:
+        """The DSA indexer-K cache per token and layer: the quantized key plus one 4-byte scale per quant block."""
+        if not self.has_indexer_k_cache:
+            return 0
+        return self.indexer_dim + self.indexer_dim // self.indexer_k_quant_block_size * 4
 
 
 @dataclass(frozen=True)
@@ -142,6 +163,8 @@ class RankCommInfo:
     listener: str = ""
     staging: MemoryRegion | None = None  # the rank's staging slots, one registered buffer
     slot_bytes: int = 0
+    indexer: KVLayout | None = None  # the DSA indexer-K cache (MLA), same blocks as the KV cache
+    rnn: RnnLayout | None = None  # Mamba conv and SSM state (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -183,6 +206,7 @@ class ContextPhaseParams:
     first_gen_tokens: tuple[int, ...] = field(default=(), metadata=bounds(0, (1 << 32) - 1, max_items=1 << 16))
     draft_tokens: tuple[int, ...] | None = field(default=None, metadata=bounds(0, (1 << 32) - 1, max_items=1 << 16))
     layerwise: bool = False  # the ctx side announces per-layer readiness; read each layer when it is ready
+    rnn_slot: int | None = field(default=None, metadata=bounds(0, (1 << 31) - 1))  # the request's Mamba state slot
 
     def problems(self) -> list[str]:
         return [] if self.block_ids else ["block_ids needs one list per ctx CP rank"]

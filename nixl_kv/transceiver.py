@@ -19,7 +19,8 @@ from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
-from nixl_kv.layout import KVLayout
+from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
 from nixl_kv.progress import ContextProgress
@@ -81,10 +82,19 @@ class CacheTransceiver:
             layout.pools[0].memory,
             layout.pools[0].device_id,
         )
+        indexer, rnn = _state_pools(cache, cache_state)
         agent = agent_class(self.config.backend)(f"nixl_kv-{self.instance_id}-{self._comm.rank}")
-        agent.register([*layout.pools, self._staging.region])
+        agent.register(
+            [*layout.pools, *(indexer.pools if indexer else ()), *(rnn.regions if rnn else ()), self._staging.region]
+        )
         me = RankCommInfo(
-            agent.name, agent.metadata(), layout, staging=self._staging.region, slot_bytes=self._staging.slot_bytes
+            agent.name,
+            agent.metadata(),
+            layout,
+            staging=self._staging.region,
+            slot_bytes=self._staging.slot_bytes,
+            indexer=indexer,
+            rnn=rnn,
         )
         self.state = DataTransceiverState(self.instance_id, cache_state, CommState(tuple(self._comm.allgather(me))))
         self._serialized_state = wire.encode(self.state)
@@ -172,6 +182,8 @@ class CacheTransceiver:
     def respond_and_send_layer_wise(self, requests: list[TransferRequest], progress: ContextProgress) -> None:
         """Like ``respond_and_send_async`` while prefill is still running: readers pull each layer as soon
         as ``progress`` marks it done, so the transfer overlaps the rest of the prefill."""
+        if self.state.cache.rnn is not None:
+            raise NotSupportedError("layer-wise transfer of RNN state is not supported: respond once prefill is done")
         for request in requests:
             self._respond(request, RequestState.CONTEXT_INIT_AND_TRANS, progress)
 
@@ -255,3 +267,22 @@ class CacheTransceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _state_pools(cache: CacheManager, cache_state: CacheState) -> tuple[KVLayout | None, RnnLayout | None]:
+    """The cache's indexer-K and Mamba state pools, which the cache state says it must have, on the KV's memory."""
+    indexer: KVLayout | None = getattr(cache, "indexer_layout", None)
+    rnn: RnnLayout | None = getattr(cache, "rnn_layout", None)
+    for what, layout, wanted in (
+        ("an indexer-K cache", indexer, cache_state.has_indexer_k_cache),
+        ("RNN state", rnn, cache_state.rnn is not None),
+    ):
+        if wanted != (layout is not None):
+            keeps = "keeps no" if wanted else "keeps"
+            raise IncompatibleStateError(
+                f"the cache state {'has' if wanted else 'has no'} {what}; the cache {keeps} pools for it"
+            )
+        regions = () if layout is None else layout.pools if isinstance(layout, KVLayout) else layout.regions
+        if any(region.memory is not cache.layout.pools[0].memory for region in regions):
+            raise NotSupportedError(f"{what} must live on the same kind of memory as the KV pools")
+    return indexer, rnn

@@ -58,8 +58,11 @@ def test_latent_cache_arrives_exactly() -> None:
 
 def test_what_mla_refuses() -> None:
     formatter = MLAFormatter()
-    with pytest.raises(NotSupportedError, match="indexer-K cache is not supported yet"):
+    with pytest.raises(IncompatibleStateError, match="has_indexer_k_cache: ours False, peer True"):
         formatter.inquire_support(mla_state(), mla_state(has_indexer_k_cache=True, indexer_dim=64))
+    with_indexer = mla_state(has_indexer_k_cache=True, indexer_dim=128)
+    with pytest.raises(IncompatibleStateError, match="indexer_dim: ours 128, peer 256"):
+        formatter.inquire_support(with_indexer, mla_state(has_indexer_k_cache=True, indexer_dim=256))
     ctx_cp2 = mla_state(parallel=ParallelConfig(cp=2, attention_layers_per_pp_rank=(LAYERS,)))
     with pytest.raises(NotSupportedError, match="MLA needs ctx CP 1"):
         formatter.inquire_support(mla_state(), ctx_cp2)
