@@ -9,8 +9,8 @@ import sys
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.pair import PairOptions, ParallelSpec, format_table, run_pair
-from nixl_kv.pair_worker import InstanceSpec
+from nixl_kv.pair import PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
+from nixl_kv.pair_worker import InstanceSpec, RnnSpec
 
 
 def _requests(text: str) -> tuple[int, ...]:
@@ -23,6 +23,13 @@ def _requests(text: str) -> tuple[int, ...]:
 def _spec(text: str) -> ParallelSpec:
     try:
         return ParallelSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rnn(text: str) -> RnnSpec:
+    try:
+        return parse_rnn(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -41,6 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--tokens-per-block", type=int, default=32)
     pair.add_argument("--dtype", choices=[d.value for d in DataType], default="bfloat16")
     pair.add_argument("--attention", choices=["mha", "mla"], default="mha")
+    pair.add_argument(
+        "--indexer-dim",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MLA only: also move a DSA indexer-K cache (N + N/128*4 bytes per token and layer)",
+    )
+    pair.add_argument(
+        "--rnn",
+        type=_rnn,
+        default=None,
+        metavar="OPTIONS",
+        help="hybrid model: also move Mamba state, e.g. layers=2,heads=4,head_dim=64,d_state=16,d_conv=4,"
+        "n_groups=1,layout=xbc|qkv|none,conv_dtype=float32,ssm_dtype=bfloat16",
+    )
     pair.add_argument("--requests", type=_requests, default=(256, 777, 1500, 3000))
     pair.add_argument(
         "--rounds", type=int, default=3, help="send the request list this many times (the first pays first contact)"
@@ -92,6 +114,12 @@ def _pair(args: argparse.Namespace) -> int:
     if args.device == "cuda" and importlib.util.find_spec("cupy") is None:
         print("nixl-kv pair: --device cuda needs cupy (pip install nixl-kv[gpu-cu12] or [gpu-cu13])", file=sys.stderr)
         return 2
+    if args.indexer_dim and args.attention != "mla":
+        print("nixl-kv pair: --indexer-dim needs --attention mla (the indexer-K cache is DSA's)", file=sys.stderr)
+        return 2
+    if args.indexer_dim < 0 or (args.rnn is not None and args.layerwise):
+        print("nixl-kv pair: --indexer-dim must be >= 0; --rnn cannot be combined with --layerwise", file=sys.stderr)
+        return 2
     if args.reuse_prefix < 0 or (args.timeout_ms is not None and args.timeout_ms < 1):
         print("nixl-kv pair: --reuse-prefix must be >= 0 and --timeout-ms >= 1", file=sys.stderr)
         return 2
@@ -111,6 +139,8 @@ def _pair(args: argparse.Namespace) -> int:
         direct_min_run_bytes=args.direct_min_run_bytes,
         layerwise=args.layerwise,
         reuse_prefix_blocks=args.reuse_prefix,
+        indexer_dim=args.indexer_dim,
+        rnn=args.rnn,
     )
     options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
     try:

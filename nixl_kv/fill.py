@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from nixl_kv.rnn import RnnShare, conv_sections
+from nixl_kv.state import RnnConfig
+
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 # Odd constants that spread each coordinate over all 64 bits before mixing.
@@ -78,3 +81,33 @@ def count_mismatches(actual: Any, request_seed: int, where: Slice, xp: ModuleTyp
     """Elements of ``actual`` (``[layer, kv, head, token, dim]``) that differ from the expected fill."""
     want = expected(request_seed, where, actual.dtype.itemsize, xp)
     return int((actual != want).sum())
+
+
+# Seeds of the state beside the KV: the same request never fills two kinds of state alike.
+INDEXER_SALT, CONV_SALT, SSM_SALT = 1 << 40, 2 << 40, 3 << 40
+
+
+def indexer_expected(request_seed: int, layers: range, tokens: range, bytes_per_token: int, xp: ModuleType = np) -> Any:
+    """The indexer-K cache of ``layers`` and ``tokens`` as ``[layer, token, bytes]`` uint8."""
+    where = Slice(layers.start, len(layers), 0, 1, 1, bytes_per_token, tokens.start, len(tokens))
+    return expected(request_seed ^ INDEXER_SALT, where, 1, xp)[:, 0, 0]
+
+
+def rnn_expected(request_seed: int, held: RnnShare, config: RnnConfig, xp: ModuleType = np) -> tuple[Any, Any]:
+    """A rank's Mamba state: conv ``[layer, channels, d_conv - 1]`` (each channel hashed by its global index in
+    the conv state, section offsets included) and SSM ``[layer, heads, head_dim, d_state]``."""
+    layers, sections = held.layers, conv_sections(config)
+    conv = [
+        expected(
+            request_seed ^ CONV_SALT,
+            Slice(layers.start, len(layers), sum(sections[:i]) + part.start, len(part), 1, config.d_conv - 1, 0, 1),
+            config.conv_dtype.itemsize,
+            xp,
+        )[:, 0, :, 0]
+        for i, part in enumerate(held.channels)
+    ]
+    ssm_where = Slice(
+        layers.start, len(layers), held.heads.start, len(held.heads), 1, config.d_state, 0, config.head_dim
+    )
+    ssm = expected(request_seed ^ SSM_SALT, ssm_where, config.ssm_dtype.itemsize, xp)[:, 0]
+    return xp.concatenate(conv, axis=1), ssm

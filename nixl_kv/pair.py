@@ -18,8 +18,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.pair_worker import InstanceSpec, spec_json
+from nixl_kv.pair_worker import InstanceSpec, RnnSpec, spec_json
+from nixl_kv.rnn import check_split
+from nixl_kv.state import ConvSectionLayout
 from nixl_kv.topology import head_duplication
 
 WORKER_START_S = 60.0
@@ -80,7 +83,33 @@ class ParallelSpec:
             layout=self.layout,
         )
         head_duplication(spec.parallel(0), model.kv_heads)  # NotSupportedError when heads do not split over TP
+        if model.rnn is not None:
+            if model.rnn.layers < self.pp:
+                raise ValueError(f"{model.rnn.layers} Mamba layers cannot be split over pp={self.pp}")
+            check_split(model.rnn.config(self.pp), spec.parallel(0))
+            if self.layers:
+                raise ValueError("layers= (an uneven attention split) is not supported with --rnn")
         return spec
+
+
+def parse_rnn(text: str) -> RnnSpec:
+    """``layers=2,heads=4,head_dim=64,d_state=16,d_conv=4,n_groups=1,layout=xbc,conv_dtype=float32,...``;
+    keys not given keep RnnSpec's defaults. Unknown keys and bad values are errors."""
+    values: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in RnnSpec.__dataclass_fields__:
+            raise ValueError(f"bad --rnn item {item!r}: keys are {', '.join(RnnSpec.__dataclass_fields__)}")
+        if key == "layout":
+            ConvSectionLayout(value)  # ValueError names the bad value
+        elif key.endswith("dtype"):
+            DataType(value)
+        else:
+            value = int(value)
+            if value < (2 if key == "d_conv" else 1):
+                raise ValueError(f"bad --rnn item {item!r}: must be at least {2 if key == 'd_conv' else 1}")
+        values[key] = value
+    return RnnSpec(**values)
 
 
 @dataclass(frozen=True)
@@ -213,8 +242,11 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
     if options.model.attention == "mla" and options.ctx.cp > 1:
         raise NotSupportedError(f"MLA needs ctx CP 1 (got cp={options.ctx.cp}); gen CP is supported")
-    ctx_spec = replace(options.ctx.instance(options.model, blocks), timeout_ms=None)  # a gen-side deadline
-    gen_spec = replace(options.gen.instance(options.model, blocks), gpu_base=ctx_spec.world_size)
+    if options.model.indexer_dim and options.model.attention != "mla":
+        raise NotSupportedError("the indexer-K cache (--indexer-dim) belongs to MLA models (--attention mla)")
+    model = replace(options.model, num_slots=len(options.requests))
+    ctx_spec = replace(options.ctx.instance(model, blocks), timeout_ms=None)  # a gen-side deadline
+    gen_spec = replace(options.gen.instance(model, blocks), gpu_base=ctx_spec.world_size)
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
     try:

@@ -25,14 +25,46 @@ from nixl_kv.cache import PagedKVCache
 from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
-from nixl_kv.fill import Slice, count_mismatches, expected
+from nixl_kv.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.memory import allocate, array_module, region_of
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
-from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig
+from nixl_kv.rnn import rnn_share
+from nixl_kv.rnn_cache import RnnStatePools
+from nixl_kv.state import AttentionType, CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
 from nixl_kv.topology import Share, holds_request, share
 from nixl_kv.transceiver import CacheTransceiver
+
+
+@dataclass(frozen=True)
+class RnnSpec:
+    """The Mamba part of a hybrid model (``--rnn``): its layers are split evenly over PP."""
+
+    layers: int = 2
+    heads: int = 4
+    head_dim: int = 64
+    d_state: int = 16
+    d_conv: int = 4
+    n_groups: int = 1
+    layout: str = ConvSectionLayout.XBC.value
+    conv_dtype: str = DataType.FLOAT32.value
+    ssm_dtype: str = DataType.FLOAT32.value
+
+    def config(self, pp: int) -> RnnConfig:
+        base, extra = divmod(self.layers, pp)
+        return RnnConfig(
+            num_heads=self.heads,
+            head_dim=self.head_dim,
+            d_state=self.d_state,
+            d_conv=self.d_conv,
+            n_groups=self.n_groups,
+            hidden_size=self.heads * self.head_dim,
+            conv_section_layout=ConvSectionLayout(self.layout),
+            conv_dtype=DataType(self.conv_dtype),
+            ssm_dtype=DataType(self.ssm_dtype),
+            layers_per_pp_rank=tuple(base + (1 if i < extra else 0) for i in range(pp)),
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,15 @@ class InstanceSpec:
     direct_min_run_bytes: int | None = None
     layerwise: bool = False  # ctx: respond layer-wise and mark one layer done every LAYER_STEP_S
     reuse_prefix_blocks: int = 0  # gen: already holds this many leading blocks of every request
+    indexer_dim: int = 0  # MLA: also move a DSA indexer-K cache of this index dim (quant block 128)
+    rnn: RnnSpec | None = None  # hybrid: also move Mamba state
+    num_slots: int = 1  # Mamba state slots per rank (requests in flight)
+
+    @classmethod
+    def from_json(cls, text: str) -> InstanceSpec:
+        values = json.loads(text)
+        rnn = values.pop("rnn", None)
+        return cls(**values, rnn=RnnSpec(**rnn) if rnn else None)
 
     @property
     def world_size(self) -> int:
@@ -98,10 +139,33 @@ class InstanceSpec:
             dtype=self.data_type,
             attention_type=AttentionType.MLA if self.attention == "mla" else AttentionType.DEFAULT,
             kv_factor=self.kv_factor,
+            has_indexer_k_cache=self.indexer_dim > 0,
+            indexer_dim=self.indexer_dim,
+            rnn=self.rnn.config(self.pp) if self.rnn else None,
         )
 
-    def build_cache(self, held: Share, device_id: int) -> PagedKVCache:
+    def build_cache(self, rank: int, held: Share, device_id: int) -> PagedKVCache:
+        state = self.cache_state(rank)
+        rnn = None
+        if state.rnn is not None:
+            mine = rnn_share(state.rnn, state.parallel, rank)
+            rnn = RnnStatePools(
+                num_layers=len(mine.layers),
+                num_slots=self.num_slots,
+                conv_channels=mine.num_channels,
+                d_conv=state.rnn.d_conv,
+                conv_dtype=state.rnn.conv_dtype,
+                num_heads=len(mine.heads),
+                head_dim=state.rnn.head_dim,
+                d_state=state.rnn.d_state,
+                ssm_dtype=state.rnn.ssm_dtype,
+                per_layer=self.layout != LayoutKind.BLOCK_MAJOR.value,  # vLLM-style per-layer pools go together
+                memory=self.memory,
+                device_id=device_id,
+            )
         return PagedKVCache(
+            indexer_bytes_per_token=state.indexer_bytes_per_token,
+            rnn=rnn,
             num_blocks=self.num_blocks,
             num_layers=len(held.layers),
             num_heads=len(held.heads),
@@ -132,6 +196,14 @@ class InstanceSpec:
         return index % self.tp if self.dp else 0
 
 
+def _layers(where: Slice) -> range:
+    return range(where.layer_start, where.layer_start + where.num_layers)
+
+
+def _tokens(where: Slice) -> range:
+    return range(where.token_start, where.token_start + where.num_tokens)
+
+
 def emit(**reply: Any) -> None:
     sys.stdout.write(json.dumps(reply) + "\n")
     sys.stdout.flush()
@@ -145,7 +217,8 @@ class Instance:
         self.parallel = spec.parallel(comm.rank)
         self.device_id = spec.select_device(comm.rank)
         self.xp = array_module(spec.memory)
-        self.cache = spec.build_cache(self.share(spec.tokens_per_block), self.device_id)
+        self.cache = spec.build_cache(comm.rank, self.share(spec.tokens_per_block), self.device_id)
+        self.cache_state = spec.cache_state(comm.rank)
         config = CacheTransceiverConfig.from_env(  # NIXL_KV_* variables tune a pair run too
             CacheTransceiverConfig(
                 lease_ms=spec.lease_ms,
@@ -155,7 +228,7 @@ class Instance:
                 direct_min_run_bytes=spec.direct_min_run_bytes,
             )
         )
-        self.transceiver = CacheTransceiver(self.cache, spec.cache_state(comm.rank), config, comm)
+        self.transceiver = CacheTransceiver(self.cache, self.cache_state, config, comm)
         self.requests: list[TransferRequest] = []
 
     def share(self, num_tokens: int) -> Share:
@@ -193,8 +266,11 @@ class Instance:
             if not self.holds(index):
                 continue
             where = self.allocate(request_id, num_tokens)
-            if where.num_tokens:
-                self.cache.write_tokens(request_id, expected(request_id, where, self.spec.data_type.itemsize, self.xp))
+            self._write(request_id, request_id, where)
+            if self.cache_state.rnn is not None:
+                mine = rnn_share(self.cache_state.rnn, self.parallel, self.comm.rank)
+                conv, ssm = rnn_expected(request_id, mine, self.cache_state.rnn, self.xp)
+                self.cache.rnn.write(self.cache.rnn_slot(request_id), conv, ssm)
             batch.append(TransferRequest(request_id, num_tokens=num_tokens))
         if self.spec.layerwise:
             progress = ContextProgress(self.cache.num_layers)
@@ -236,9 +312,8 @@ class Instance:
         for request, where in mine:
             ok = request.state is RequestState.GENERATION_TRANS_COMPLETE
             mismatched = 0
-            if ok and where.num_tokens:
-                actual = self.cache.read_tokens(request.request_id, where.num_tokens)
-                mismatched = count_mismatches(actual, ctx_ids[request.request_id], where, self.xp)
+            if ok:
+                mismatched = self._mismatches(request.request_id, ctx_ids[request.request_id], where)
             results.append(
                 {
                     "request_id": ctx_ids[request.request_id],
@@ -256,11 +331,37 @@ class Instance:
         """Prefix reuse: the gen side already holds the first blocks (here: the content they must have)."""
         held_tokens = self.spec.reuse_prefix_blocks * self.spec.tokens_per_block - where.token_start
         count = min(max(0, held_tokens), where.num_tokens)
-        if count:
-            values = expected(
-                ctx_id, dataclasses.replace(where, num_tokens=count), self.spec.data_type.itemsize, self.xp
+        self._write(gen_id, ctx_id, dataclasses.replace(where, num_tokens=count))
+
+    def _write(self, request_id: int, seed: int, where: Slice) -> None:
+        """The request's first tokens of this rank's share: KV and, with DSA, indexer-K."""
+        if not where.num_tokens:
+            return
+        self.cache.write_tokens(request_id, expected(seed, where, self.spec.data_type.itemsize, self.xp))
+        if self.cache.indexer_layout is not None:
+            values = indexer_expected(
+                seed, _layers(where), _tokens(where), self.cache_state.indexer_bytes_per_token, self.xp
             )
-            self.cache.write_tokens(gen_id, values)
+            self.cache.write_indexer(request_id, values)
+
+    def _mismatches(self, request_id: int, seed: int, where: Slice) -> int:
+        """Elements of the request's KV, indexer-K and Mamba state on this rank that differ from the fill."""
+        mismatched = 0
+        if where.num_tokens:
+            actual = self.cache.read_tokens(request_id, where.num_tokens)
+            mismatched += count_mismatches(actual, seed, where, self.xp)
+            if self.cache.indexer_layout is not None:
+                got = self.cache.read_indexer(request_id, where.num_tokens)
+                bytes_per_token = self.cache_state.indexer_bytes_per_token
+                mismatched += int(
+                    (got != indexer_expected(seed, _layers(where), _tokens(where), bytes_per_token, self.xp)).sum()
+                )
+        if self.cache_state.rnn is not None:
+            mine = rnn_share(self.cache_state.rnn, self.parallel, self.comm.rank)
+            conv, ssm = self.cache.rnn.read(self.cache.rnn_slot(request_id))
+            want_conv, want_ssm = rnn_expected(seed, mine, self.cache_state.rnn, self.xp)
+            mismatched += int((conv != want_conv).sum()) + int((ssm != want_ssm).sum())
+        return mismatched
 
     def _wait_all(self, count: int) -> None:
         """Every request to a terminal state: one blocking check, or with in-flight cancellation, finite polls."""
@@ -439,7 +540,7 @@ def main() -> None:
     parser.add_argument("role", choices=["ctx", "gen"])
     parser.add_argument("spec", help="InstanceSpec as JSON")
     args = parser.parse_args()
-    spec = InstanceSpec(**json.loads(args.spec))
+    spec = InstanceSpec.from_json(args.spec)
     comm: CacheTransceiverComm = MpiComm() if spec.world_size > 1 else SingleProcessComm()
     logging.basicConfig(level=logging.WARNING, format=f"[{args.role}{comm.rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nixl").setLevel(logging.WARNING)
