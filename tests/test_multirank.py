@@ -86,26 +86,50 @@ def test_block_major_and_per_layer_pools_meet(ctx: str, gen: str) -> None:
     _run(ctx, gen)
 
 
+INDEXER = ("--indexer-dim", "128")  # 132 bytes per token and layer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize(("ctx", "gen"), list(itertools.product(GRID, GRID)))
+def test_mla_grid(ctx: str, gen: str, dtype: str) -> None:
+    """MLA over every TP{1,2} x PP{1,2} pairing; the int8 runs carry the DSA indexer-K cache too."""
+    extra = ("--attention", "mla", *(INDEXER if dtype == "int8" else ()))
+    summary = _run(ctx, gen, heads=1, dtype=dtype, extra=extra)
+    itemsize = 4 if dtype == "float32" else 1
+    per_token = 4 * itemsize + (132 if dtype == "int8" else 0)  # latent (head dim 4) + indexer, per layer
+    replicas = int(dict(item.split("=") for item in gen.split(",")).get("tp", 1))  # every gen TP rank holds it
+    assert summary["bytes"] == 2 * 12 * 16 * 4 * per_token * replicas  # 12 blocks, 4 layers, 2 rounds
+
+
 @pytest.mark.parametrize(
-    ("ctx", "gen", "dtype"),
+    ("ctx", "gen"),
     [
-        ("tp=2", "tp=1", "float32"),
-        ("tp=1", "tp=2,pp=2", "int8"),
-        ("tp=2,pp=2", "tp=2", "int8"),
-        ("tp=2,pp=2", "tp=1,pp=2", "float32"),
-        ("tp=2,dp=1", "tp=2", "float32"),  # attention DP on the ctx side
-        ("tp=2", "tp=2,dp=1", "float32"),  # and on the gen side
-        ("tp=2", "cp=2", "float32"),  # gen-side CP
-        ("tp=1", "cp=4", "int8"),
+        ("tp=2,dp=1", "tp=2"),  # attention DP on the ctx side
+        ("tp=2", "tp=2,dp=1"),  # and on the gen side
+        ("tp=2", "cp=2"),  # gen-side CP
+        ("tp=1", "cp=4"),
+        ("tp=2,pp=2", "tp=2,cp=2"),
     ],
 )
-def test_mla_pairings(ctx: str, gen: str, dtype: str) -> None:
-    summary = _run(ctx, gen, heads=1, dtype=dtype, extra=("--attention", "mla"))
-    itemsize = 4 if dtype == "float32" else 1
-    blocks = sum(-(-n // 16) for n in (30, 10, 60, 80))
-    spec = dict(item.split("=") for item in gen.split(","))
-    replicas = 1 if spec.get("dp") == "1" else int(spec.get("tp", 1))  # every gen TP rank holds the latent cache
-    assert summary["bytes"] == 2 * blocks * 16 * 4 * 1 * 1 * 4 * itemsize * replicas  # read once per gen replica
+def test_mla_dp_and_gen_cp_with_indexer(ctx: str, gen: str) -> None:
+    _run(ctx, gen, heads=1, dtype="int8", extra=("--attention", "mla", *INDEXER))
+
+
+RNN = "layers=2,heads=4,head_dim=8,d_state=4,d_conv=4,n_groups=2,conv_dtype=float32,ssm_dtype=bfloat16"
+
+
+@pytest.mark.parametrize("layout", ["xbc", "qkv", "none"])
+@pytest.mark.parametrize(("ctx", "gen"), [("tp=1", "tp=2"), ("tp=2", "tp=1"), ("pp=2", "tp=1")])
+def test_rnn_state_reshards(ctx: str, gen: str, layout: str) -> None:
+    """Hybrid runs (2 attention layers beside 2 Mamba layers): every conv channel and SSM element checked."""
+    summary = _run(ctx, gen, layers=2, dtype="float16", extra=("--rnn", f"{RNN},layout={layout}"))
+    kv = 2 * 12 * 16 * 2 * 2 * 4 * 4 * 2  # rounds, blocks, tokens, layers, k/v, heads, dim, itemsize
+    state = 2 * 4 * 2 * ((32 + 16) * 3 * 4 + 4 * 8 * 4 * 2)  # rounds, requests, layers, conv + SSM per layer
+    assert summary["bytes"] == kv + state
+
+
+def test_hybrid_tp2_pp2_to_tp4() -> None:
+    _run("tp=2,pp=2", "tp=4", layers=4, extra=("--rnn", f"{RNN},layers=4,heads=8,n_groups=4,layout=xbc"))
 
 
 def test_mla_tp4_to_pp4() -> None:

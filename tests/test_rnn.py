@@ -1,0 +1,228 @@
+"""Mamba state: resharding between TP/PP layouts for every conv section layout, and hybrid requests over NIXL."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+
+from formatters.rnn import RnnFormatter, state_rows
+from formatters.standard import StandardFormatter
+from nixl_kv.cache import PagedKVCache
+from nixl_kv.dtypes import DataType
+from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.fill import Slice, count_mismatches, expected, rnn_expected
+from nixl_kv.layout import LayoutKind
+from nixl_kv.progress import ContextProgress
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.rnn import conv_sections, rnn_share, shares_state
+from nixl_kv.rnn_cache import RnnStatePools
+from nixl_kv.state import CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
+from nixl_kv.topology import holds_request
+from nixl_kv.transceiver import CacheTransceiver
+
+
+def rnn_config(layout: ConvSectionLayout, pp: int = 1, layers: int = 3, **changes: object) -> RnnConfig:
+    base, extra = divmod(layers, pp)
+    config = RnnConfig(
+        num_heads=4, head_dim=8, d_state=4, d_conv=4, n_groups=2, hidden_size=32, conv_section_layout=layout,
+        conv_dtype=DataType.FLOAT32, ssm_dtype=DataType.BFLOAT16,
+        layers_per_pp_rank=tuple(base + (i < extra) for i in range(pp)),
+    )  # fmt: skip
+    return dataclasses.replace(config, **changes)
+
+
+def pools_for(config: RnnConfig, parallel: ParallelConfig, rank: int, per_layer: bool) -> RnnStatePools:
+    mine = rnn_share(config, parallel, rank)
+    return RnnStatePools(
+        len(mine.layers), 3, mine.num_channels, config.d_conv, config.conv_dtype, len(mine.heads), config.head_dim,
+        config.d_state, config.ssm_dtype, per_layer=per_layer,
+    )  # fmt: skip
+
+
+def reshard(ctx: ParallelConfig, gen: ParallelConfig, layout: ConvSectionLayout, gen_per_layer: bool) -> int:
+    """Fill every ctx rank's slot 2, copy what ``state_rows`` says into every gen rank's slot 0 (byte by byte,
+    as the READ would), and count the gen elements that differ from the fill; returns the rows posted."""
+    seed, posted = 11, 0
+    ctx_config, gen_config = rnn_config(layout, ctx.pp), rnn_config(layout, gen.pp)
+    ctx_pools = [pools_for(ctx_config, ctx, rank, per_layer=False) for rank in range(ctx.world_size)]
+    for rank, pools in enumerate(ctx_pools):
+        pools.write(2, *rnn_expected(seed, rnn_share(ctx_config, ctx, rank), ctx_config))
+    for rank in range(gen.world_size):
+        mine = rnn_share(gen_config, gen, rank)
+        pools = pools_for(gen_config, gen, rank, gen_per_layer)
+        for peer in range(ctx.world_size):
+            theirs = rnn_share(ctx_config, ctx, peer)
+            if not holds_request(ctx, peer, 0) or not shares_state(mine, theirs):
+                continue
+            local, remote = state_rows(pools.layout, mine, 0, ctx_pools[peer].layout, theirs, 2)
+            for (to, length, _), (source, _, _) in zip(local.tolist(), remote.tolist(), strict=True):
+                ctypes.memmove(to, source, length)
+            posted += len(local)
+        conv, ssm = pools.read(0)
+        want_conv, want_ssm = rnn_expected(seed, mine, gen_config)
+        assert np.array_equal(conv, want_conv), f"gen rank {rank}: conv state differs"
+        assert np.array_equal(ssm, want_ssm), f"gen rank {rank}: SSM state differs"
+    return posted
+
+
+PARALLEL = {
+    "tp1": ParallelConfig(attention_layers_per_pp_rank=(2,)),
+    "tp2": ParallelConfig(tp=2, attention_layers_per_pp_rank=(2,)),
+    "tp2dp": ParallelConfig(tp=2, enable_attention_dp=True, dp_size=2, attention_layers_per_pp_rank=(2,)),
+    "pp2": ParallelConfig(pp=2, attention_layers_per_pp_rank=(1, 1)),
+    "tp2pp2": ParallelConfig(tp=2, pp=2, attention_layers_per_pp_rank=(1, 1)),
+}
+
+
+@pytest.mark.parametrize("layout", list(ConvSectionLayout))
+@pytest.mark.parametrize(
+    ("ctx", "gen"),
+    [("tp1", "tp2"), ("tp2", "tp1"), ("pp2", "tp1"), ("tp1", "pp2"), ("tp2pp2", "tp2"), ("tp2", "tp2pp2"),
+     ("tp2dp", "tp2"), ("tp2", "tp2dp")],
+)  # fmt: skip
+def test_state_reshards_exactly(ctx: str, gen: str, layout: ConvSectionLayout) -> None:
+    for per_layer in (False, True):
+        reshard(PARALLEL[ctx], PARALLEL[gen], layout, per_layer)
+
+
+def test_sections_split_one_by_one() -> None:
+    """XBC over TP2: rank 1 holds the second half of x, then of B, then of C (not channels 48..95)."""
+    config = rnn_config(ConvSectionLayout.XBC)
+    assert conv_sections(config) == (32, 8, 8)
+    assert rnn_share(config, PARALLEL["tp2"], 1).channels == (range(16, 32), range(4, 8), range(4, 8))
+    assert conv_sections(rnn_config(ConvSectionLayout.QKV)) == (8, 8, 32)
+    assert conv_sections(rnn_config(ConvSectionLayout.NONE)) == (48,)
+
+
+def test_equal_layouts_read_one_run_per_layer_and_kind() -> None:
+    """Same TP on both sides: a layer's conv sections are contiguous on both, so they merge into one run."""
+    assert reshard(PARALLEL["tp1"], PARALLEL["tp1"], ConvSectionLayout.XBC, False) == 3 * 2
+
+
+# --- what the RNN formatter refuses -----------------------------------------------------------------------
+def hybrid_state(rnn: RnnConfig | None, parallel: ParallelConfig | None = None) -> CacheState:
+    return CacheState(
+        ModelConfig((2, 2), 8, 16), parallel or ParallelConfig(attention_layers_per_pp_rank=(2,)), DataType.FLOAT16,
+        rnn=rnn,
+    )  # fmt: skip
+
+
+def test_what_rnn_refuses() -> None:
+    formatter = StandardFormatter()
+    xbc = rnn_config(ConvSectionLayout.XBC, layers=2)
+    with pytest.raises(IncompatibleStateError, match="gen has RNN state, ctx has no"):
+        formatter.inquire_support(hybrid_state(xbc), hybrid_state(None))
+    with pytest.raises(IncompatibleStateError, match="conv_section_layout: ours <ConvSectionLayout.XBC"):
+        formatter.inquire_support(hybrid_state(xbc), hybrid_state(rnn_config(ConvSectionLayout.QKV, layers=2)))
+    with pytest.raises(IncompatibleStateError, match="ssm_dtype"):
+        formatter.inquire_support(hybrid_state(xbc), hybrid_state(dataclasses.replace(xbc, ssm_dtype=DataType.FLOAT32)))
+    tp8 = ParallelConfig(tp=8, attention_layers_per_pp_rank=(2,))
+    with pytest.raises(NotSupportedError, match="ctx: 4 Mamba heads do not split evenly over TP 8"):
+        RnnFormatter().inquire_support(hybrid_state(xbc), hybrid_state(xbc, tp8))
+    uneven = dataclasses.replace(xbc, num_heads=8, n_groups=1, d_state=3)
+    tp2 = ParallelConfig(tp=2, attention_layers_per_pp_rank=(2,))
+    with pytest.raises(NotSupportedError, match=r"conv sections \(64, 3, 3\) \(xbc\) do not split evenly over TP 2"):
+        RnnFormatter().inquire_support(hybrid_state(uneven, tp2), hybrid_state(uneven))
+    cp2 = ParallelConfig(cp=2, attention_layers_per_pp_rank=(2,))
+    with pytest.raises(NotSupportedError, match="gen: RNN state with CP is not supported"):
+        RnnFormatter().inquire_support(hybrid_state(xbc, cp2), hybrid_state(xbc))
+
+
+# --- hybrid requests over real NIXL (loopback) --------------------------------------------------------------
+LAYERS, HEADS, TPB, DIM = 2, 2, 16, 8
+
+
+def hybrid_side(config: RnnConfig, kind: LayoutKind) -> tuple[PagedKVCache, CacheTransceiver]:
+    parallel = ParallelConfig(attention_layers_per_pp_rank=(LAYERS,))
+    cache = PagedKVCache(
+        num_blocks=16, num_layers=LAYERS, num_heads=HEADS, tokens_per_block=TPB, head_dim=DIM, dtype=DataType.FLOAT16,
+        kind=kind, rnn=pools_for(config, parallel, 0, per_layer=kind is not LayoutKind.BLOCK_MAJOR),
+    )  # fmt: skip
+    state = dataclasses.replace(hybrid_state(config, parallel), model=ModelConfig((HEADS,) * LAYERS, DIM, TPB))
+    return cache, CacheTransceiver(cache, state)
+
+
+@pytest.fixture
+def hybrid_pair() -> tuple:
+    config = rnn_config(ConvSectionLayout.XBC, layers=3)
+    ctx, gen = hybrid_side(config, LayoutKind.BLOCK_MAJOR), hybrid_side(config, LayoutKind.PER_LAYER_NHD)
+    yield config, ctx, gen
+    for _, transceiver in (ctx, gen):
+        transceiver.close()
+        assert transceiver._agent.live_handles == {"transfers": 0, "prepared": 0, "remotes": 0, "registrations": 0}
+
+
+def test_hybrid_request_moves_kv_and_state_in_one_transfer(hybrid_pair: tuple) -> None:
+    config, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
+    where = Slice(0, LAYERS, 0, HEADS, 2, DIM, 0, 40)
+    ctx_cache.allocate(99, 1)  # takes slot 0: the request's slot on the ctx side is 1, on the gen side 0
+    ctx_cache.allocate(5, 40)
+    ctx_cache.write_tokens(5, expected(5, where, 2))
+    held = rnn_share(config, ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)), 0)
+    ctx_cache.rnn.write(ctx_cache.rnn_slot(5), *rnn_expected(5, held, config))
+    request = TransferRequest(5, num_tokens=40)
+    ctx.respond_and_send_async(request)
+    gen_cache.allocate(8, 40)
+    received = TransferRequest(8, context_phase_params=request.context_phase_params)
+    gen.request_and_receive_sync(received)
+    assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+    assert (ctx_cache.rnn_slot(5), gen_cache.rnn_slot(8)) == (1, 0)
+    assert count_mismatches(gen_cache.read_tokens(8, 40), 5, where) == 0
+    conv, ssm = gen_cache.rnn.read(0)
+    want_conv, want_ssm = rnn_expected(5, held, config)
+    assert np.array_equal(conv, want_conv) and np.array_equal(ssm, want_ssm)
+    kv_bytes = 3 * TPB * LAYERS * 2 * HEADS * DIM * 2
+    state_bytes = 3 * (48 * 3 * 4 + 4 * 8 * 4 * 2)
+    assert received.transfer_bytes == kv_bytes + state_bytes
+    ctx.check_context_transfer_status(None, mark_complete=True)
+    assert request.state is RequestState.CONTEXT_COMPLETE
+
+
+def test_slot_is_held_while_pinned(hybrid_pair: tuple) -> None:
+    """Freeing a request whose transfer still pins it keeps its Mamba slot until the transfer ends."""
+    _, (ctx_cache, _), _ = hybrid_pair
+    ctx_cache.allocate(1, 10)
+    ctx_cache.pin(1)
+    ctx_cache.free(1)
+    assert ctx_cache.rnn.slots.free_blocks == 2
+    ctx_cache.unpin(1)
+    assert ctx_cache.rnn.slots.free_blocks == 3
+
+
+def test_hybrid_refuses_layerwise_and_missing_pools(hybrid_pair: tuple) -> None:
+    config, (ctx_cache, ctx), _ = hybrid_pair
+    ctx_cache.allocate(1, 10)
+    with pytest.raises(NotSupportedError, match="layer-wise transfer of RNN state"):
+        ctx.respond_and_send_layer_wise([TransferRequest(1, num_tokens=10)], ContextProgress(LAYERS))
+    plain = PagedKVCache(
+        num_blocks=4, num_layers=LAYERS, num_heads=HEADS, tokens_per_block=TPB, head_dim=DIM, dtype=DataType.FLOAT16
+    )
+    with pytest.raises(IncompatibleStateError, match="the cache state has RNN state; the cache keeps no pools"):
+        CacheTransceiver(plain, hybrid_state(config))
+
+
+def test_hybrid_pairs_with_every_section_layout() -> None:
+    """One terminal state per request, whatever the section layout (conv channels differ per layout)."""
+    for layout in ConvSectionLayout:
+        config = rnn_config(layout, layers=2)
+        ctx_cache, ctx = hybrid_side(config, LayoutKind.BLOCK_MAJOR)
+        gen_cache, gen = hybrid_side(config, LayoutKind.PER_LAYER_HND)
+        try:
+            ctx_cache.allocate(3, 20)
+            held = rnn_share(config, ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)), 0)
+            ctx_cache.rnn.write(0, *rnn_expected(3, held, config))
+            request = TransferRequest(3, num_tokens=20)
+            ctx.respond_and_send_async(request)
+            gen_cache.allocate(4, 20)
+            received = TransferRequest(4, context_phase_params=request.context_phase_params)
+            gen.request_and_receive_sync(received)
+            assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
+            conv, ssm = gen_cache.rnn.read(0)
+            want_conv, want_ssm = rnn_expected(3, held, config)
+            assert np.array_equal(conv, want_conv) and np.array_equal(ssm, want_ssm), layout
+        finally:
+            ctx.close()
+            gen.close()
