@@ -10,6 +10,7 @@ import pytest
 
 from formatters.rnn import RnnFormatter, state_rows
 from formatters.standard import StandardFormatter
+from nixl_kv import wire
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
@@ -19,7 +20,7 @@ from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.rnn import conv_sections, rnn_share, shares_state
 from nixl_kv.rnn_cache import RnnStatePools
-from nixl_kv.state import CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
+from nixl_kv.state import CacheState, ContextPhaseParams, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
 from nixl_kv.topology import holds_request
 from nixl_kv.transceiver import CacheTransceiver
 
@@ -226,3 +227,24 @@ def test_hybrid_pairs_with_every_section_layout() -> None:
         finally:
             ctx.close()
             gen.close()
+
+
+def test_a_slot_outside_the_ctx_pools_is_refused_before_any_read(hybrid_pair: tuple) -> None:
+    """Params naming a slot the ctx pools do not have (forged, or from a mismatched build) fail the request."""
+    _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
+    ctx_cache.allocate(1, 20)
+    request = TransferRequest(1, num_tokens=20)
+    ctx.respond_and_send_async(request)
+    params = wire.decode(request.context_phase_params, ContextPhaseParams)
+    forged = wire.encode(dataclasses.replace(params, rnn_slot=99))
+    gen_cache.allocate(2, 20)
+    received = TransferRequest(2, context_phase_params=forged)
+    gen.request_and_receive_sync(received)
+    assert received.state is RequestState.TRANS_ERROR
+    assert "ctx rank 0: RNN state pools do not match its share: slot 99 outside its 3 slots" in received.error
+    missing = wire.encode(dataclasses.replace(params, rnn_slot=None))
+    gen_cache.allocate(3, 20)
+    received = TransferRequest(3, context_phase_params=missing)
+    gen.request_and_receive_sync(received)
+    assert "the ctx params carry no RNN state slot" in received.error
+    ctx.cancel_request(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from nixl_kv import wire
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import WireFormatError
-from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
+from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion, RnnLayout
 from nixl_kv.protocol import ReadDone, ReadVerdict
 from nixl_kv.state import (
     MAX_BLOCKS,
@@ -79,6 +80,19 @@ def make_rnn(pp: int) -> RnnConfig:
     )
 
 
+def make_rnn_layout(rank: int, pp: int) -> RnnLayout:
+    """The Mamba pools of one rank of ``make_rnn(pp)`` at TP 1: 3 layers, 4 slots, TensorRT-LLM's layout."""
+    layers, slots, channels, width, heads = 3, 4, 8 * 64 + 2 * 2 * 128, 3, 8
+    conv_bytes, ssm_bytes = layers * slots * channels * width * 2, layers * slots * heads * 64 * 128 * 4
+    base = 0x7E00_0000_0000 + (rank << 36)
+    return RnnLayout(
+        num_layers=layers, num_slots=slots, conv_channels=channels, conv_width=width, conv_itemsize=2,
+        num_heads=heads, head_dim=64, d_state=128, ssm_itemsize=4,
+        conv_pools=(MemoryRegion(base, conv_bytes, 0, MemoryKind.DRAM),),
+        ssm_pools=(MemoryRegion(base + conv_bytes, ssm_bytes, 0, MemoryKind.DRAM),),
+    )  # fmt: skip
+
+
 def make_state(
     tp: int = 1,
     pp: int = 1,
@@ -108,6 +122,10 @@ def make_state(
             agent_metadata=bytes(range(256)) * 3 + bytes([r]),
             layout=make_layout(kind, r, layers_per_rank, kv_factor),
             listener=f"tcp://10.0.0.{r + 1}:5555" if r % 2 == 0 else "",
+            indexer=dataclasses.replace(make_layout(kind, r, layers_per_rank, 1), num_heads=1, head_dim=132, itemsize=1)
+            if mla
+            else None,
+            rnn=make_rnn_layout(r, pp) if rnn else None,
         )
         for r in range(tp * pp * cp)
     )
@@ -124,6 +142,7 @@ def make_params(draft: tuple[int, ...] | None = (11, 12, (1 << 32) - 1)) -> Cont
         ctx_dp_rank=1,
         first_gen_tokens=(42,),
         draft_tokens=draft,
+        rnn_slot=3,
     )
 
 
@@ -243,7 +262,7 @@ def test_context_phase_params_round_trip_at_the_bounds() -> None:
 
 def test_context_phase_params_defaults_may_be_left_out() -> None:
     envelope = plain(make_params())
-    for name in ("ctx_dp_rank", "first_gen_tokens", "draft_tokens"):
+    for name in ("ctx_dp_rank", "first_gen_tokens", "draft_tokens", "rnn_slot"):
         del envelope["body"][name]
     decoded = wire.decode(pack(envelope), ContextPhaseParams)
     assert decoded == ContextPhaseParams(
@@ -279,6 +298,7 @@ def test_decode_accepts_bytearray_and_memoryview() -> None:
 # --- rejections naming the field -------------------------------------------------------------------------------
 STATE3 = make_state(tp=1, pp=3)  # three ranks, 6 layers, 2 per PP rank
 STATE_NHD = make_state(tp=1, pp=1, kind=LayoutKind.PER_LAYER_NHD)
+STATE_HYBRID = make_state(tp=1, pp=2, rnn=True)
 PARAMS = make_params()
 DONE = make_read_done()
 VERDICT = make_read_verdict()
@@ -470,6 +490,35 @@ REJECTIONS = [
         "comm.ranks[0].layout",
     ),
     case(PARAMS, "block_ids", [], "block_ids needs one list per ctx CP rank", "no-cp-lists", ""),
+    case(PARAMS, "rnn_slot", -1, "-1 is outside [0, 2147483647]", "negative-rnn-slot"),
+    case(
+        STATE_HYBRID,
+        "comm.ranks[1].rnn.conv_pools[0].nbytes",
+        100,
+        "conv pool 0 holds 100 bytes, needs",
+        "small-conv-pool",
+        "comm.ranks[1].rnn",
+    ),
+    case(
+        STATE_HYBRID,
+        "comm.ranks[0].rnn.ssm_pools",
+        [],
+        "ssm state needs 1 or 3 pools, got 0",
+        "no-ssm-pools",
+        "comm.ranks[0].rnn",
+    ),
+    case(
+        STATE_HYBRID, "comm.ranks[0].rnn.d_state", 0, "every RNN state dimension", "zero-rnn-dim", "comm.ranks[0].rnn"
+    ),
+    case(STATE_HYBRID, "cache.rnn.d_conv", 1, "d_conv must be at least 2, got 1", "d-conv-1", "cache.rnn"),
+    case(
+        STATE_HYBRID,
+        "cache.rnn.layers_per_pp_rank",
+        [3],
+        "rnn layers_per_pp_rank has 1 entries, pp is 2",
+        "rnn-pp-split",
+        "cache",
+    ),
 ]
 
 
