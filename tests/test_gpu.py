@@ -60,3 +60,17 @@ def test_layerwise_and_prefix_reuse_on_vram() -> None:
 def test_mla_on_vram(ctx: str, gen: str) -> None:
     common = ("--attention", "mla", "--layers", "4", "--head-dim", "576", "--tokens-per-block", "64")
     _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,65,700", "--rounds", "2")
+
+
+@pytest.mark.parametrize(("ctx", "gen"), [("tp=1", "tp=1"), ("tp=2", "tp=1,layout=nhd"), ("tp=1", "cp=2")])
+def test_mla_with_indexer_k_on_vram(ctx: str, gen: str) -> None:
+    common = ("--attention", "mla", "--indexer-dim", "128", "--layers", "4", "--head-dim", "576")
+    _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--tokens-per-block", "64", "--requests", "1,300,2000")
+
+
+@pytest.mark.parametrize("layout", ["xbc", "qkv"])
+@pytest.mark.parametrize(("ctx", "gen"), [("tp=1", "tp=2"), ("tp=2", "tp=1"), ("pp=2", "tp=1")])
+def test_hybrid_mamba_state_on_vram(ctx: str, gen: str, layout: str) -> None:
+    rnn = f"layers=4,heads=8,head_dim=64,d_state=128,d_conv=4,n_groups=2,layout={layout},ssm_dtype=bfloat16"
+    common = ("--layers", "2", "--kv-heads", "4", "--head-dim", "64", "--rnn", rnn)
+    _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,100,1000", "--rounds", "2")
