@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from formatters.ranges import coalesce
 from formatters.standard import StandardFormatter, _to_local
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import Box, RangeRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind
+from nixl_kv.ranges import coalesce
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import PeerSlice, Share
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from formatters.ranges import coalesce
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import RnnLayout
+from nixl_kv.ranges import coalesce
 from nixl_kv.rnn import RnnShare, check_split, overlap, rnn_share, shares_state
 from nixl_kv.state import CacheState, RnnConfig
 from nixl_kv.topology import holds_request, position
@@ -113,36 +113,35 @@ def _check_layout(layout: RnnLayout, held: RnnShare, config: RnnConfig, slot: in
 def state_rows(
     local: RnnLayout, mine: RnnShare, local_slot: int, remote: RnnLayout, theirs: RnnShare, remote_slot: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the common conv channels (per section) and SSM heads of every common layer, merged into runs."""
-    local_at, remote_at, lengths = [], [], []
-
-    def add(local_address: int, remote_address: int, nbytes: int) -> None:
-        local_at.append(local_address)
-        remote_at.append(remote_address)
-        lengths.append(nbytes)
-
-    for layer in overlap(mine.layers, theirs.layers):
-        at_gen, at_ctx = layer - mine.layers.start, layer - theirs.layers.start
-        gen_conv, ctx_conv = local.conv_address(at_gen, local_slot), remote.conv_address(at_ctx, remote_slot)
-        for section, (ours, peers) in enumerate(zip(mine.channels, theirs.channels, strict=True)):
-            common = overlap(ours, peers)
-            if len(common):
-                add(
+    """Rows of the common conv channels (per section) and SSM heads of every common layer, merged into runs.
+    Vectorised over layers: one array operation per section, whatever the layer count."""
+    layers = overlap(mine.layers, theirs.layers)
+    at_gen = np.arange(layers.start - mine.layers.start, layers.stop - mine.layers.start, dtype=np.int64)
+    at_ctx = np.arange(layers.start - theirs.layers.start, layers.stop - theirs.layers.start, dtype=np.int64)
+    gen_conv, ctx_conv = local.conv_address(at_gen, local_slot), remote.conv_address(at_ctx, remote_slot)
+    parts = []  # (local addresses per layer, remote addresses per layer, bytes)
+    for section, (ours, peers) in enumerate(zip(mine.channels, theirs.channels, strict=True)):
+        common = overlap(ours, peers)
+        if len(common):
+            parts.append(
+                (
                     gen_conv + (mine.channel_offset(section) + common.start - ours.start) * local.channel_bytes,
                     ctx_conv + (theirs.channel_offset(section) + common.start - peers.start) * remote.channel_bytes,
                     len(common) * local.channel_bytes,
                 )
-        heads = overlap(mine.heads, theirs.heads)
-        if len(heads):
-            add(
+            )
+    heads = overlap(mine.heads, theirs.heads)
+    if len(heads):
+        parts.append(
+            (
                 local.ssm_address(at_gen, local_slot) + (heads.start - mine.heads.start) * local.head_bytes,
                 remote.ssm_address(at_ctx, remote_slot) + (heads.start - theirs.heads.start) * remote.head_bytes,
                 len(heads) * local.head_bytes,
             )
-    return coalesce(
-        np.array(local_at),
-        np.array(remote_at),
-        np.array(lengths),
-        local.regions[0].device_id,
-        remote.regions[0].device_id,
-    )
+        )
+    if not parts or not len(layers):
+        return coalesce(np.zeros(0), np.zeros(0), np.zeros(0), 0, 0)
+    local_at = np.stack([part[0] for part in parts], axis=1).reshape(-1)  # layer by layer, parts in order
+    remote_at = np.stack([part[1] for part in parts], axis=1).reshape(-1)
+    lengths = np.tile(np.array([part[2] for part in parts], dtype=np.int64), len(layers))
+    return coalesce(local_at, remote_at, lengths, local.regions[0].device_id, remote.regions[0].device_id)

@@ -129,6 +129,15 @@ class RangeRead:
     def nbytes(self) -> int:
         return int(self.local_rows[:, 1].sum())
 
+    @staticmethod
+    def joined(reads: Sequence[RangeRead]) -> RangeRead:
+        """One READ of all of them (one notification, one confirmation)."""
+        return RangeRead(
+            " + ".join(read.what for read in reads),
+            np.concatenate([read.local_rows for read in reads]),
+            np.concatenate([read.remote_rows for read in reads]),
+        )
+
 
 @dataclass(frozen=True)
 class PeerRead:

@@ -118,6 +118,14 @@ class KVLayout:
         rows = [(pool.address, unit, pool.device_id, unit, self.pool_bytes // unit) for pool in self.pools]
         return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
+    def unit_addresses(self, indices: np.ndarray, coarse: bool) -> np.ndarray:
+        """The addresses of descriptor entries of ``unit_descriptors(coarse)``, by index."""
+        unit = self.segment_bytes if coarse else self.unit_bytes
+        per_pool = self.pool_bytes // unit
+        index = np.asarray(indices, dtype=np.int64)
+        bases = np.array([pool.address for pool in self.pools], dtype=np.int64)
+        return bases[index // per_pool] + (index % per_pool) * unit
+
     def segment_indices(self, blocks: np.ndarray, layers: range) -> np.ndarray:
         """Coarse-unit indices of whole blocks (BLOCK_MAJOR: all layers) or of the given layers' chunks."""
         b = np.asarray(blocks, dtype=np.int64)
@@ -199,11 +207,12 @@ class RnnLayout:
     def regions(self) -> tuple[MemoryRegion, ...]:
         return self.conv_pools + self.ssm_pools
 
-    def conv_address(self, layer: int, slot: int) -> int:
-        return _address(self.conv_pools, self.num_slots * self.conv_slot_bytes, self.conv_slot_bytes, layer, slot)
+    def conv_address(self, layers: np.ndarray, slot: int) -> np.ndarray:
+        """Where the slot's conv state of each (local) layer starts."""
+        return _addresses(self.conv_pools, self.num_slots * self.conv_slot_bytes, self.conv_slot_bytes, layers, slot)
 
-    def ssm_address(self, layer: int, slot: int) -> int:
-        return _address(self.ssm_pools, self.num_slots * self.ssm_slot_bytes, self.ssm_slot_bytes, layer, slot)
+    def ssm_address(self, layers: np.ndarray, slot: int) -> np.ndarray:
+        return _addresses(self.ssm_pools, self.num_slots * self.ssm_slot_bytes, self.ssm_slot_bytes, layers, slot)
 
     def problems(self) -> list[str]:
         found = []
@@ -228,7 +237,10 @@ class RnnLayout:
         return found
 
 
-def _address(pools: tuple[MemoryRegion, ...], layer_bytes: int, slot_bytes: int, layer: int, slot: int) -> int:
+def _addresses(
+    pools: tuple[MemoryRegion, ...], layer_bytes: int, slot_bytes: int, layers: np.ndarray, slot: int
+) -> np.ndarray:
+    layers = np.asarray(layers, dtype=np.int64)
     if len(pools) == 1:
-        return pools[0].address + layer * layer_bytes + slot * slot_bytes
-    return pools[layer].address + slot * slot_bytes
+        return pools[0].address + layers * layer_bytes + slot * slot_bytes
+    return np.array([pool.address for pool in pools], dtype=np.int64)[layers] + slot * slot_bytes

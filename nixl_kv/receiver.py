@@ -25,10 +25,11 @@ from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
-from nixl_kv.interfaces import Formatter, PeerRead, ReadRequest, TransferStatus
+from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
+from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
 from nixl_kv.views import pool_views
@@ -233,7 +234,12 @@ class CacheReceiver:
         incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
         layerwise = params.layerwise
         incoming.peers = [
-            _PeerPull(read, ctx_state.comm.ranks[read.peer_rank], layerwise=layerwise and read.has_kv) for read in plan
+            _PeerPull(
+                self._folded(read, ctx_state.comm.ranks[read.peer_rank]) if not layerwise else read,
+                ctx_state.comm.ranks[read.peer_rank],
+                layerwise=layerwise and read.has_kv,
+            )
+            for read in plan
         ]
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
@@ -241,6 +247,28 @@ class CacheReceiver:
             self._cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
             self._active[key] = incoming
             self._by_request[request.request_id] = key
+
+    def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
+        """One READ per peer where the formatter planned more: a direct KV part and the state after it are read
+        together (each READ costs a confirmation round trip), and state parts are joined."""
+        if not read.extras:
+            return read
+        if read.local_indices is None:
+            return dataclasses.replace(read, extras=(RangeRead.joined(read.extras),))
+        local, remote = self._cache.layout, rank.layout
+        kv = RangeRead(
+            "kv",
+            *coalesce(
+                local.unit_addresses(read.local_indices, read.coarse),
+                remote.unit_addresses(read.remote_indices, read.coarse),
+                np.full(len(read.local_indices), local.segment_bytes if read.coarse else local.unit_bytes),
+                local.pools[0].device_id,
+                remote.pools[0].device_id,
+            ),
+        )
+        return dataclasses.replace(
+            read, nbytes=0, local_indices=None, remote_indices=None, extras=(RangeRead.joined([kv, *read.extras]),)
+        )
 
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
