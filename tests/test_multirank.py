@@ -132,5 +132,22 @@ def test_hybrid_tp2_pp2_to_tp4() -> None:
     _run("tp=2,pp=2", "tp=4", layers=4, extra=("--rnn", f"{RNN},layers=4,heads=8,n_groups=4,layout=xbc"))
 
 
+@pytest.mark.parametrize(
+    ("ctx", "gen", "extra"),
+    [
+        ("tp=2,dp=1", "tp=1", ()),  # attention DP: a ctx rank holds the whole state of its requests
+        ("tp=1", "tp=2,dp=1", ()),
+        ("tp=2", "tp=1,layout=nhd", ("--reuse-prefix", "1")),  # staged KV, then the state; prefix not moved
+    ],
+)
+def test_hybrid_with_attention_dp_staging_and_prefix_reuse(ctx: str, gen: str, extra: tuple[str, ...]) -> None:
+    _run(ctx, gen, layers=2, extra=("--rnn", f"{RNN},layout=qkv", *extra))
+
+
+@pytest.mark.parametrize("extra", [("--layerwise",), ("--gen=layout=nhd", "--direct-min-run-bytes", "1000000000")])
+def test_indexer_after_layerwise_and_staged_latent_reads(extra: tuple[str, ...]) -> None:
+    _run("tp=2", "tp=1", heads=1, dtype="int8", extra=("--attention", "mla", *INDEXER, *extra))
+
+
 def test_mla_tp4_to_pp4() -> None:
     _run("tp=4", "pp=4", layers=8, heads=1, tokens_per_block=8, extra=("--attention", "mla"))
