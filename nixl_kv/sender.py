@@ -123,7 +123,7 @@ class CacheSender:
             rnn_slot=self._cache.rnn_slot(request.request_id) if self._context.cache_state.rnn is not None else None,
         )
         request.transfer_start = time.monotonic()
-        request.transfer_bytes = len(blocks) * self._cache.layout.block_bytes
+        request.transfer_bytes = _held_bytes(self._cache, len(blocks))
         num_blocks = -(-request.num_tokens // self._context.cache_state.model.tokens_per_block)
         deadline = request.transfer_start + self._context.lease_ms / 1000
         request.transfer_deadline = deadline
@@ -378,3 +378,15 @@ class CacheSender:
             entry.future.set_result(None)
         else:
             entry.future.set_exception(TransferError(failure))
+
+
+def _held_bytes(cache: CacheManager, num_blocks: int) -> int:
+    """What a request holds on this rank: its KV blocks, their indexer-K part, its Mamba state slot."""
+    held = num_blocks * cache.layout.block_bytes
+    indexer = getattr(cache, "indexer_layout", None)
+    rnn = getattr(cache, "rnn_layout", None)
+    if indexer is not None:
+        held += num_blocks * indexer.block_bytes
+    if rnn is not None:
+        held += rnn.num_layers * (rnn.conv_slot_bytes + rnn.ssm_slot_bytes)
+    return held

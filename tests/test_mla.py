@@ -109,7 +109,7 @@ def test_indexer_k_cache_moves_with_the_latent_cache(ctx_kind: LayoutKind, gen_k
         assert not np.array_equal(gen_cache.read_indexer(7, 50), indexer_expected(2, range(LAYERS), range(50), 132))
         blocks = 4
         kv, indexer = blocks * TOKENS_PER_BLOCK * LAYERS * LATENT * 2, blocks * TOKENS_PER_BLOCK * LAYERS * 132
-        assert received.transfer_bytes == kv + indexer
+        assert received.transfer_bytes == request.transfer_bytes == kv + indexer
     finally:
         ctx.close()
         gen.close()

@@ -177,7 +177,7 @@ def test_hybrid_request_moves_kv_and_state_in_one_transfer(hybrid_pair: tuple) -
     assert np.array_equal(conv, want_conv) and np.array_equal(ssm, want_ssm)
     kv_bytes = 3 * TPB * LAYERS * 2 * HEADS * DIM * 2
     state_bytes = 3 * (48 * 3 * 4 + 4 * 8 * 4 * 2)
-    assert received.transfer_bytes == kv_bytes + state_bytes
+    assert received.transfer_bytes == request.transfer_bytes == kv_bytes + state_bytes  # read == held on ctx
     ctx.check_context_transfer_status(None, mark_complete=True)
     assert request.state is RequestState.CONTEXT_COMPLETE
 
