@@ -15,7 +15,8 @@ import numpy as np
 from formatters.standard import StandardFormatter, _to_local
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import Box, RangeRead, ReadRequest
-from nixl_kv.layout import KVLayout, LayoutKind
+from nixl_kv.layout import LayoutKind
+from nixl_kv.pool_checks import check_indexer_pools
 from nixl_kv.ranges import coalesce
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import PeerSlice, Share
@@ -49,9 +50,10 @@ class MLAFormatter(StandardFormatter):
         remote_layout = request.peer_state.comm.ranks[piece.peer_rank].indexer
         local_layout = request.self_indexer
         remote_blocks = self._peer_blocks(request, piece.peer_rank, theirs)
-        _check_indexer(local_layout, gen, mine, request.self_layout.num_blocks, "gen")
+        check_indexer_pools(local_layout, gen, len(mine.layers), request.self_layout.num_blocks, "gen")
         ctx_kv = request.peer_state.comm.ranks[piece.peer_rank].layout
-        _check_indexer(remote_layout, gen, theirs, ctx_kv.num_blocks, f"ctx rank {piece.peer_rank}")
+        who = f"ctx rank {piece.peer_rank}"
+        check_indexer_pools(remote_layout, gen, len(theirs.layers), ctx_kv.num_blocks, who)
         box = Box(piece.layers, piece.heads, piece.blocks)
         local, remote = _to_local(box, mine, local_blocks), _to_local(box, theirs, remote_blocks)
         block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
@@ -61,27 +63,7 @@ class MLAFormatter(StandardFormatter):
             local_at,
             remote_at,
             np.full(len(local_at), local_layout.chunk_bytes),
-            local_layout.pools[0].device_id,
-            remote_layout.pools[0].device_id,
+            local_layout.pools,
+            remote_layout.pools,
         )
         return [RangeRead("indexer-K cache", *rows)]
-
-
-def _check_indexer(layout: KVLayout | None, state: CacheState, held: Share, num_blocks: int, who: str) -> None:
-    """The indexer pools must be one uint8 "head" per layer of ``indexer_bytes_per_token`` per token, with as
-    many blocks as the KV pools (they share block ids)."""
-    if layout is None:
-        raise IncompatibleStateError(f"{who} keeps no indexer-K cache pools")
-    want = {
-        "num_layers": len(held.layers),
-        "kv_factor": 1,
-        "num_heads": 1,
-        "tokens_per_block": state.model.tokens_per_block,
-        "head_dim": state.indexer_bytes_per_token,
-        "itemsize": 1,
-        "num_blocks": num_blocks,
-    }
-    wrong = [f"{k} {getattr(layout, k)} (expected {v})" for k, v in want.items() if getattr(layout, k) != v]
-    wrong += layout.problems()
-    if wrong:
-        raise IncompatibleStateError(f"{who}: indexer-K pools do not match: {'; '.join(wrong)}")

@@ -196,13 +196,12 @@ class StandardFormatter(Formatter):
                 expected_readers=0,
                 nbytes=nbytes,
                 layers=piece.layers,
-                blocks=piece.blocks,
                 local_indices=_direct_indices(local_layout, local, coarse, block_first),
                 remote_indices=_direct_indices(remote_layout, remote, coarse, block_first),
                 coarse=coarse,
             )
         pieces = self._pieces(request, box)
-        return PeerRead(piece.peer_rank, 0, nbytes, layers=piece.layers, blocks=piece.blocks, pieces=pieces)
+        return PeerRead(piece.peer_rank, 0, nbytes, layers=piece.layers, pieces=pieces)
 
     def _pieces(self, request: ReadRequest, box: Box) -> tuple[Box, ...]:
         per_block = self.box_bytes(request.self_state.cache, Box(box.layers, box.heads, range(1)))

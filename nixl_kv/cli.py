@@ -117,8 +117,14 @@ def _pair(args: argparse.Namespace) -> int:
     if args.indexer_dim and args.attention != "mla":
         print("nixl-kv pair: --indexer-dim needs --attention mla (the indexer-K cache is DSA's)", file=sys.stderr)
         return 2
-    if args.indexer_dim < 0 or (args.rnn is not None and args.layerwise):
-        print("nixl-kv pair: --indexer-dim must be >= 0; --rnn cannot be combined with --layerwise", file=sys.stderr)
+    if args.indexer_dim < 0:
+        print("nixl-kv pair: --indexer-dim must be >= 0", file=sys.stderr)
+        return 2
+    if args.rnn is not None and args.layerwise:
+        print(
+            "nixl-kv pair: --rnn cannot be combined with --layerwise (RNN state is final only at the end)",
+            file=sys.stderr,
+        )
         return 2
     if args.reuse_prefix < 0 or (args.timeout_ms is not None and args.timeout_ms < 1):
         print("nixl-kv pair: --reuse-prefix must be >= 0 and --timeout-ms >= 1", file=sys.stderr)

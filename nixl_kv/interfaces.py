@@ -145,7 +145,8 @@ class PeerRead:
 
     Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
     Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
-    ``extras`` are read after the KV (``has_kv`` False: only they come from this peer). ``expected_readers``
+    ``extras`` are read after the KV (``has_kv`` False: only they come from this peer; the receiver also folds a
+    direct KV part into them, one READ instead of two, and then ``nbytes`` is 0). ``expected_readers``
     is how many gen ranks read this request from that ctx rank, whatever part; 0 means none does, and this gen
     rank (the request's first) tells the ctx rank so (``NoReaders``).
     """
@@ -154,7 +155,6 @@ class PeerRead:
     expected_readers: int
     nbytes: int  # of the KV part
     layers: range = range(0)  # the global layers this read covers
-    blocks: range = range(0)  # the block positions in the request it covers
     local_indices: np.ndarray | None = None
     remote_indices: np.ndarray | None = None
     coarse: bool = False  # the indices address whole segments (``KVLayout.unit_descriptors(coarse=True)``)
@@ -187,13 +187,13 @@ class ReadRequest:
     num_tokens: int
     peer_dp_rank: int = 0
     first_block: int = 0  # blocks before it are not read (already held: prefix reuse; outside the window)
-    layers: range | None = None  # plan only these global layers (layer-wise steps)
+    layers: range | None = None  # plan only these global layers (a layer-wise step: the KV part only)
     only_peer: int | None = None  # plan only the reads from this ctx rank
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
     direct_min_run_bytes: int = 8192  # shorter runs of partial slices are staged (see CacheTransceiverConfig)
     self_indexer: KVLayout | None = None  # the gen rank's indexer-K pools (MLA with DSA)
     self_rnn: RnnLayout | None = None  # the gen rank's Mamba state pools
-    local_rnn_slot: int | None = None
+    self_rnn_slot: int | None = None  # the request's Mamba state slot here and on the ctx side
     peer_rnn_slot: int | None = None
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
-from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
+from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.peers import PeerDirectory
@@ -88,7 +88,7 @@ class _PeerPull:
             self.plan = self.full
 
     @property
-    def staged(self) -> bool:
+    def reading_piece(self) -> bool:
         """The step in progress reads a staged piece."""
         return self.kv_left and self.plan is not None and self.plan.staged
 
@@ -203,6 +203,10 @@ class CacheReceiver:
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state = self._decode_state(params.ctx_state)
         self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
+        if params.layerwise and ctx_state.cache.rnn is not None:
+            raise NotSupportedError(
+                "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
+            )
         if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
             raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
         read_request = ReadRequest(
@@ -219,7 +223,7 @@ class CacheReceiver:
             direct_min_run_bytes=self._direct_min_run_bytes,
             self_indexer=getattr(self._cache, "indexer_layout", None),
             self_rnn=getattr(self._cache, "rnn_layout", None),
-            local_rnn_slot=_rnn_slot(self._cache, request.request_id),
+            self_rnn_slot=_rnn_slot(self._cache, request.request_id),
             peer_rnn_slot=params.rnn_slot,
         )
         plan = self._formatter.plan(read_request)
@@ -262,8 +266,8 @@ class CacheReceiver:
                 local.unit_addresses(read.local_indices, read.coarse),
                 remote.unit_addresses(read.remote_indices, read.coarse),
                 np.full(len(read.local_indices), local.segment_bytes if read.coarse else local.unit_bytes),
-                local.pools[0].device_id,
-                remote.pools[0].device_id,
+                local.pools,
+                remote.pools,
             ),
         )
         return dataclasses.replace(
@@ -330,7 +334,7 @@ class CacheReceiver:
         current = peer.current
         if current is None:
             return f"waiting for layers from {peer.planned_below}" if peer.layerwise else "not started"
-        if peer.staged and current.grant is None:
+        if peer.reading_piece and current.grant is None:
             return "waiting for a stage grant"
         return "READ in flight" if not current.finished else "waiting for the ctx confirmation"
 
@@ -342,7 +346,7 @@ class CacheReceiver:
             if now >= peer.retry_at:
                 self._begin(incoming, peer)
             return
-        if peer.staged and current.handle is None and not current.finished:
+        if peer.reading_piece and current.handle is None and not current.finished:
             self._on_granted(incoming, peer, current, now)
             return
         if not current.finished:
@@ -354,7 +358,7 @@ class CacheReceiver:
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
             self._transport_check(peer, current, now)
-            if peer.staged:
+            if peer.reading_piece:
                 self._unpack(incoming, peer)
             current.finished = True  # only once the bytes are in place
         if current.verdict is None:
@@ -439,6 +443,7 @@ class CacheReceiver:
                 peer.rank.layout.pools[0].memory,
                 self._read_done(incoming, peer, transfer, final=final),
             )
+            transfer.nbytes = self._measurable(peer, extra.nbytes, True)
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         elif not peer.plan.staged:
             coarse = peer.plan.coarse

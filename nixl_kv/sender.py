@@ -109,6 +109,8 @@ class CacheSender:
         With ``progress`` the request is layer-wise: readers learn which layers are ready and read them as
         they become so, while prefill goes on."""
         future: Future = Future()
+        state = self._context.cache_state
+        rnn_slot = self._cache.rnn_slot(request.request_id) if state.rnn is not None else None  # before pinning
         blocks = np.asarray(self._cache.pin(request.request_id), dtype=np.int64)
         params = ContextPhaseParams(
             request_id=request.request_id,
@@ -120,7 +122,7 @@ class CacheSender:
             first_gen_tokens=request.first_gen_tokens,
             draft_tokens=request.draft_tokens,
             layerwise=progress is not None,
-            rnn_slot=self._cache.rnn_slot(request.request_id) if self._context.cache_state.rnn is not None else None,
+            rnn_slot=rnn_slot,
         )
         request.transfer_start = time.monotonic()
         request.transfer_bytes = _held_bytes(self._cache, len(blocks))

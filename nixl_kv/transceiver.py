@@ -23,10 +23,12 @@ from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
+from nixl_kv.pool_checks import check_indexer_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
 from nixl_kv.registry import AGENTS, agent_class, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
+from nixl_kv.rnn import check_split, rnn_share
 from nixl_kv.sender import CacheSender, SenderContext
 from nixl_kv.state import CacheState, CommState, DataTransceiverState, RankCommInfo
 from nixl_kv.status import SideRules, TransferTracker, outcome_by_deadline
@@ -82,7 +84,7 @@ class CacheTransceiver:
             layout.pools[0].memory,
             layout.pools[0].device_id,
         )
-        indexer, rnn = _state_pools(cache, cache_state)
+        indexer, rnn = _state_pools(cache, cache_state, self._comm.rank)
         agent = agent_class(self.config.backend)(f"nixl_kv-{self.instance_id}-{self._comm.rank}")
         agent.register(
             [*layout.pools, *(indexer.pools if indexer else ()), *(rnn.regions if rnn else ()), self._staging.region]
@@ -269,8 +271,9 @@ class CacheTransceiver:
         self.close()
 
 
-def _state_pools(cache: CacheManager, cache_state: CacheState) -> tuple[KVLayout | None, RnnLayout | None]:
-    """The cache's indexer-K and Mamba state pools, which the cache state says it must have, on the KV's memory."""
+def _state_pools(cache: CacheManager, cache_state: CacheState, rank: int) -> tuple[KVLayout | None, RnnLayout | None]:
+    """The cache's indexer-K and Mamba state pools: present exactly when the cache state says, on the KV's kind
+    of memory, and holding this rank's share."""
     indexer: KVLayout | None = getattr(cache, "indexer_layout", None)
     rnn: RnnLayout | None = getattr(cache, "rnn_layout", None)
     for what, layout, wanted in (
@@ -278,11 +281,14 @@ def _state_pools(cache: CacheManager, cache_state: CacheState) -> tuple[KVLayout
         ("RNN state", rnn, cache_state.rnn is not None),
     ):
         if wanted != (layout is not None):
-            keeps = "keeps no" if wanted else "keeps"
-            raise IncompatibleStateError(
-                f"the cache state {'has' if wanted else 'has no'} {what}; the cache {keeps} pools for it"
-            )
+            has, keeps = ("has", "keeps no") if wanted else ("has no", "keeps")
+            raise IncompatibleStateError(f"the cache state {has} {what}; the cache {keeps} pools for it")
         regions = () if layout is None else layout.pools if isinstance(layout, KVLayout) else layout.regions
         if any(region.memory is not cache.layout.pools[0].memory for region in regions):
             raise NotSupportedError(f"{what} must live on the same kind of memory as the KV pools")
+    if indexer is not None:
+        check_indexer_pools(indexer, cache_state, cache.layout.num_layers, cache.layout.num_blocks, "this rank")
+    if rnn is not None:
+        check_split(cache_state.rnn, cache_state.parallel)
+        check_rnn_pools(rnn, rnn_share(cache_state.rnn, cache_state.parallel, rank), cache_state.rnn, "this rank")
     return indexer, rnn

@@ -112,7 +112,10 @@ def test_mla_grid(ctx: str, gen: str, dtype: str) -> None:
     ],
 )
 def test_mla_dp_and_gen_cp_with_indexer(ctx: str, gen: str) -> None:
-    _run(ctx, gen, heads=1, dtype="int8", extra=("--attention", "mla", *INDEXER))
+    summary = _run(ctx, gen, heads=1, dtype="int8", extra=("--attention", "mla", *INDEXER))
+    spec = dict(item.split("=") for item in gen.split(","))
+    replicas = 1 if spec.get("dp") == "1" else int(spec.get("tp", 1))  # CP ranks split the blocks: no replica
+    assert summary["bytes"] == 2 * 12 * 16 * 4 * (4 + 132) * replicas  # read once per gen replica
 
 
 RNN = "layers=2,heads=4,head_dim=8,d_state=4,d_conv=4,n_groups=2,conv_dtype=float32,ssm_dtype=bfloat16"

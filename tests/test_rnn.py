@@ -18,7 +18,7 @@ from nixl_kv.fill import Slice, count_mismatches, expected, rnn_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
-from nixl_kv.rnn import conv_sections, rnn_share, shares_state
+from nixl_kv.rnn import conv_sections, rnn_pieces, rnn_share
 from nixl_kv.rnn_cache import RnnStatePools
 from nixl_kv.state import CacheState, ContextPhaseParams, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
 from nixl_kv.topology import holds_request
@@ -43,35 +43,41 @@ def pools_for(config: RnnConfig, parallel: ParallelConfig, rank: int, per_layer:
     )  # fmt: skip
 
 
-def reshard(ctx: ParallelConfig, gen: ParallelConfig, layout: ConvSectionLayout, gen_per_layer: bool) -> int:
-    """Fill every ctx rank's slot 2, copy what ``state_rows`` says into every gen rank's slot 0 (byte by byte,
-    as the READ would), and count the gen elements that differ from the fill; returns the rows posted."""
+def reshard(
+    ctx: ParallelConfig, gen: ParallelConfig, layout: ConvSectionLayout, per_layer: bool, **changes: object
+) -> int:
+    """Fill every ctx rank's slot 2, copy what ``state_rows`` says into slot 0 of every gen rank holding the
+    request (byte by byte, as the READ would), check every gen element and that each byte is read exactly once;
+    returns the rows posted. ``per_layer``: ctx pools layer-major, gen pools one per layer (and the reverse)."""
     seed, posted = 11, 0
-    ctx_config, gen_config = rnn_config(layout, ctx.pp), rnn_config(layout, gen.pp)
-    ctx_pools = [pools_for(ctx_config, ctx, rank, per_layer=False) for rank in range(ctx.world_size)]
+    ctx_config, gen_config = rnn_config(layout, ctx.pp, **changes), rnn_config(layout, gen.pp, **changes)
+    ctx_pools = [pools_for(ctx_config, ctx, rank, per_layer=not per_layer) for rank in range(ctx.world_size)]
     for rank, pools in enumerate(ctx_pools):
         pools.write(2, *rnn_expected(seed, rnn_share(ctx_config, ctx, rank), ctx_config))
     for rank in range(gen.world_size):
+        if not holds_request(gen, rank, 0):
+            continue
         mine = rnn_share(gen_config, gen, rank)
-        pools = pools_for(gen_config, gen, rank, gen_per_layer)
-        for peer in range(ctx.world_size):
+        pools = pools_for(gen_config, gen, rank, per_layer)
+        moved = 0
+        for peer, piece in rnn_pieces(gen_config, gen, rank, ctx_config, ctx, 0):
             theirs = rnn_share(ctx_config, ctx, peer)
-            if not holds_request(ctx, peer, 0) or not shares_state(mine, theirs):
-                continue
-            local, remote = state_rows(pools.layout, mine, 0, ctx_pools[peer].layout, theirs, 2)
+            local, remote = state_rows(piece, (pools.layout, mine, 0), (ctx_pools[peer].layout, theirs, 2))
             for (to, length, _), (source, _, _) in zip(local.tolist(), remote.tolist(), strict=True):
                 ctypes.memmove(to, source, length)
-            posted += len(local)
+            posted, moved = posted + len(local), moved + int(local[:, 1].sum())
         conv, ssm = pools.read(0)
         want_conv, want_ssm = rnn_expected(seed, mine, gen_config)
         assert np.array_equal(conv, want_conv), f"gen rank {rank}: conv state differs"
         assert np.array_equal(ssm, want_ssm), f"gen rank {rank}: SSM state differs"
+        assert moved == pools.layout.num_layers * (pools.layout.conv_slot_bytes + pools.layout.ssm_slot_bytes)
     return posted
 
 
 PARALLEL = {
     "tp1": ParallelConfig(attention_layers_per_pp_rank=(2,)),
     "tp2": ParallelConfig(tp=2, attention_layers_per_pp_rank=(2,)),
+    "tp4": ParallelConfig(tp=4, attention_layers_per_pp_rank=(2,)),
     "tp2dp": ParallelConfig(tp=2, enable_attention_dp=True, dp_size=2, attention_layers_per_pp_rank=(2,)),
     "pp2": ParallelConfig(pp=2, attention_layers_per_pp_rank=(1, 1)),
     "tp2pp2": ParallelConfig(tp=2, pp=2, attention_layers_per_pp_rank=(1, 1)),
@@ -89,11 +95,26 @@ def test_state_reshards_exactly(ctx: str, gen: str, layout: ConvSectionLayout) -
         reshard(PARALLEL[ctx], PARALLEL[gen], layout, per_layer)
 
 
+@pytest.mark.parametrize("layout", [ConvSectionLayout.XBC, ConvSectionLayout.QKV])
+@pytest.mark.parametrize(
+    ("ctx", "gen"), [("tp1", "tp2"), ("tp2", "tp1"), ("tp4", "tp2"), ("tp2", "tp4"), ("tp4", "tp1")]
+)
+@pytest.mark.parametrize("n_groups", [1, 2])
+def test_replicated_groups_are_read_once(ctx: str, gen: str, layout: ConvSectionLayout, n_groups: int) -> None:
+    """Fewer groups than TP ranks: each rank keeps its heads' group whole; a reader takes it from one holder."""
+    reshard(PARALLEL[ctx], PARALLEL[gen], layout, False, n_groups=n_groups)
+
+
 def test_sections_split_one_by_one() -> None:
-    """XBC over TP2: rank 1 holds the second half of x, then of B, then of C (not channels 48..95)."""
+    """XBC over TP2: rank 1 holds the second half of x, then its group of B and of C (not channels 24..47); with
+    one group, both ranks hold all of B and C; NONE splits the channels contiguously."""
     config = rnn_config(ConvSectionLayout.XBC)
     assert conv_sections(config) == (32, 8, 8)
     assert rnn_share(config, PARALLEL["tp2"], 1).channels == (range(16, 32), range(4, 8), range(4, 8))
+    one_group = dataclasses.replace(config, n_groups=1)
+    assert rnn_share(one_group, PARALLEL["tp2"], 1).channels == (range(16, 32), range(0, 4), range(0, 4))
+    none = rnn_config(ConvSectionLayout.NONE)
+    assert rnn_share(none, PARALLEL["tp2"], 1).channels == (range(24, 48),)
     assert conv_sections(rnn_config(ConvSectionLayout.QKV)) == (8, 8, 32)
     assert conv_sections(rnn_config(ConvSectionLayout.NONE)) == (48,)
 
@@ -123,10 +144,18 @@ def test_what_rnn_refuses() -> None:
     tp8 = ParallelConfig(tp=8, attention_layers_per_pp_rank=(2,))
     with pytest.raises(NotSupportedError, match="ctx: 4 Mamba heads do not split evenly over TP 8"):
         RnnFormatter().inquire_support(hybrid_state(xbc), hybrid_state(xbc, tp8))
-    uneven = dataclasses.replace(xbc, num_heads=8, n_groups=1, d_state=3)
+    three_groups = dataclasses.replace(xbc, num_heads=6, n_groups=3)
     tp2 = ParallelConfig(tp=2, attention_layers_per_pp_rank=(2,))
-    with pytest.raises(NotSupportedError, match=r"conv sections \(64, 3, 3\) \(xbc\) do not split evenly over TP 2"):
-        RnnFormatter().inquire_support(hybrid_state(uneven, tp2), hybrid_state(uneven))
+    with pytest.raises(NotSupportedError, match="gen: 3 groups neither split over nor replicate evenly on TP 2"):
+        RnnFormatter().inquire_support(hybrid_state(three_groups, tp2), hybrid_state(three_groups))
+    none = dataclasses.replace(xbc, conv_section_layout=ConvSectionLayout.NONE, head_dim=1, n_groups=1, d_state=1)
+    tp4 = ParallelConfig(tp=4, attention_layers_per_pp_rank=(2,))
+    with pytest.raises(NotSupportedError, match=r"6 conv channels \(layout none\) do not split over TP 4"):
+        RnnFormatter().inquire_support(hybrid_state(none, tp4), hybrid_state(none))
+    pp2 = ParallelConfig(pp=2, attention_layers_per_pp_rank=(1, 1))
+    empty_stage = dataclasses.replace(xbc, layers_per_pp_rank=(2, 0))
+    with pytest.raises(NotSupportedError, match=r"every PP stage needs a Mamba layer \(layers per PP rank: \(2, 0\)\)"):
+        RnnFormatter().inquire_support(hybrid_state(xbc), hybrid_state(empty_stage, pp2))
     cp2 = ParallelConfig(cp=2, attention_layers_per_pp_rank=(2,))
     with pytest.raises(NotSupportedError, match="gen: RNN state with CP is not supported"):
         RnnFormatter().inquire_support(hybrid_state(xbc, cp2), hybrid_state(xbc))
@@ -144,6 +173,15 @@ def hybrid_side(config: RnnConfig, kind: LayoutKind) -> tuple[PagedKVCache, Cach
     )  # fmt: skip
     state = dataclasses.replace(hybrid_state(config, parallel), model=ModelConfig((HEADS,) * LAYERS, DIM, TPB))
     return cache, CacheTransceiver(cache, state)
+
+
+def record_reads(transceiver: CacheTransceiver) -> list[str]:
+    """The READs the transceiver's agent posts from now on: "prepared" (indexed lists) or "ranges" (explicit rows)."""
+    posted: list[str] = []
+    agent = transceiver._agent
+    agent.read = lambda *args: posted.append("prepared") or type(agent).read(agent, *args)
+    agent.read_ranges = lambda *args: posted.append("ranges") or type(agent).read_ranges(agent, *args)
+    return posted
 
 
 @pytest.fixture
@@ -168,7 +206,9 @@ def test_hybrid_request_moves_kv_and_state_in_one_transfer(hybrid_pair: tuple) -
     ctx.respond_and_send_async(request)
     gen_cache.allocate(8, 40)
     received = TransferRequest(8, context_phase_params=request.context_phase_params)
+    posted = record_reads(gen)
     gen.request_and_receive_sync(received)
+    assert posted == ["ranges", "ranges"]  # block-major -> NHD: the KV staged (one piece), then the state
     assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
     assert (ctx_cache.rnn_slot(5), gen_cache.rnn_slot(8)) == (1, 0)
     assert count_mismatches(gen_cache.read_tokens(8, 40), 5, where) == 0
@@ -206,11 +246,12 @@ def test_hybrid_refuses_layerwise_and_missing_pools(hybrid_pair: tuple) -> None:
 
 
 def test_hybrid_pairs_with_every_section_layout() -> None:
-    """One terminal state per request, whatever the section layout (conv channels differ per layout)."""
+    """One terminal state per request, whatever the section layout (conv channels differ per layout); the direct
+    KV and the state come in one READ."""
     for layout in ConvSectionLayout:
         config = rnn_config(layout, layers=2)
         ctx_cache, ctx = hybrid_side(config, LayoutKind.BLOCK_MAJOR)
-        gen_cache, gen = hybrid_side(config, LayoutKind.PER_LAYER_HND)
+        gen_cache, gen = hybrid_side(config, LayoutKind.BLOCK_MAJOR)
         try:
             ctx_cache.allocate(3, 20)
             held = rnn_share(config, ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)), 0)
@@ -219,7 +260,9 @@ def test_hybrid_pairs_with_every_section_layout() -> None:
             ctx.respond_and_send_async(request)
             gen_cache.allocate(4, 20)
             received = TransferRequest(4, context_phase_params=request.context_phase_params)
+            posted = record_reads(gen)
             gen.request_and_receive_sync(received)
+            assert posted == ["ranges"]  # the direct KV and the state in one READ: one confirmation round trip
             assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
             conv, ssm = gen_cache.rnn.read(0)
             want_conv, want_ssm = rnn_expected(3, held, config)
@@ -248,3 +291,49 @@ def test_a_slot_outside_the_ctx_pools_is_refused_before_any_read(hybrid_pair: tu
     gen.request_and_receive_sync(received)
     assert "the ctx params carry no RNN state slot" in received.error
     ctx.cancel_request(request)
+
+
+def test_pools_that_do_not_hold_the_share_fail_at_start() -> None:
+    config = rnn_config(ConvSectionLayout.XBC, layers=2)
+    wrong = RnnStatePools(2, 3, 40, config.d_conv, config.conv_dtype, 4, 8, 4, config.ssm_dtype)  # 48 channels due
+    cache = PagedKVCache(
+        num_blocks=4, num_layers=LAYERS, num_heads=HEADS, tokens_per_block=TPB, head_dim=DIM, dtype=DataType.FLOAT16,
+        rnn=wrong,
+    )  # fmt: skip
+    state = dataclasses.replace(hybrid_state(config), model=ModelConfig((HEADS,) * LAYERS, DIM, TPB))
+    with pytest.raises(
+        IncompatibleStateError,
+        match=r"this rank: RNN state pools do not match its share: conv_channels 40 \(expected 48\)",
+    ):
+        CacheTransceiver(cache, state)
+
+
+def test_gen_refuses_layerwise_params_with_rnn_state(hybrid_pair: tuple) -> None:
+    """Even if a ctx side sends them (the state would be read before prefill finished it)."""
+    _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
+    ctx_cache.allocate(1, 20)
+    request = TransferRequest(1, num_tokens=20)
+    ctx.respond_and_send_async(request)
+    params = wire.decode(request.context_phase_params, ContextPhaseParams)
+    gen_cache.allocate(2, 20)
+    received = TransferRequest(2, context_phase_params=wire.encode(dataclasses.replace(params, layerwise=True)))
+    gen.request_and_receive_sync(received)
+    assert received.state is RequestState.TRANS_ERROR
+    assert "layer-wise transfer of RNN state is not supported" in received.error
+    ctx.cancel_request(request)
+
+
+def test_a_request_without_a_slot_is_not_left_pinned(hybrid_pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot is looked up before the blocks are pinned: a cache manager whose lookup fails leaves nothing
+    pinned (the blocks come back as soon as the server frees the request)."""
+    _, (ctx_cache, ctx), _ = hybrid_pair
+    ctx_cache.allocate(5, 20)
+
+    def no_slot(request_id: int) -> int:
+        raise KeyError(f"request {request_id} has no slot in this server")
+
+    monkeypatch.setattr(ctx_cache, "rnn_slot", no_slot)
+    with pytest.raises(KeyError, match="request 5 has no slot"):
+        ctx.respond_and_send_async(TransferRequest(5, num_tokens=20))
+    ctx_cache.free(5)
+    assert ctx_cache.free_blocks == 16 and ctx_cache.rnn.slots.free_blocks == 3

@@ -1,0 +1,65 @@
+"""Do a rank's indexer-K and Mamba state pools hold exactly what its share of the cache state says?
+
+Checked for the local pools when a transceiver starts (a misconfigured server fails at once, not per request)
+and for a peer's pools before any byte is read from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nixl_kv.errors import IncompatibleStateError
+from nixl_kv.layout import KVLayout, RnnLayout
+from nixl_kv.rnn import RnnShare
+from nixl_kv.state import CacheState, RnnConfig
+
+
+def _mismatches(layout: Any, want: dict[str, int]) -> list[str]:
+    wrong = [
+        f"{name} {getattr(layout, name)} (expected {value})"
+        for name, value in want.items()
+        if getattr(layout, name) != value
+    ]
+    return wrong + layout.problems()
+
+
+def check_indexer_pools(layout: KVLayout | None, state: CacheState, num_layers: int, num_blocks: int, who: str) -> None:
+    """One uint8 "head" per layer of ``indexer_bytes_per_token`` per token, as many blocks as the KV pools (the
+    indexer-K cache shares their block ids)."""
+    if layout is None:
+        raise IncompatibleStateError(f"{who} keeps no indexer-K cache pools")
+    wrong = _mismatches(
+        layout,
+        {
+            "num_layers": num_layers,
+            "kv_factor": 1,
+            "num_heads": 1,
+            "tokens_per_block": state.model.tokens_per_block,
+            "head_dim": state.indexer_bytes_per_token,
+            "itemsize": 1,
+            "num_blocks": num_blocks,
+        },
+    )
+    if wrong:
+        raise IncompatibleStateError(f"{who}: indexer-K pools do not match: {'; '.join(wrong)}")
+
+
+def check_rnn_pools(layout: RnnLayout, held: RnnShare, config: RnnConfig, who: str, slot: int | None = None) -> None:
+    """Exactly the rank's share of the state, in the config's dtypes; ``slot``, when given, must exist."""
+    wrong = _mismatches(
+        layout,
+        {
+            "num_layers": len(held.layers),
+            "conv_channels": held.num_channels,
+            "conv_width": config.d_conv - 1,
+            "conv_itemsize": config.conv_dtype.itemsize,
+            "num_heads": len(held.heads),
+            "head_dim": config.head_dim,
+            "d_state": config.d_state,
+            "ssm_itemsize": config.ssm_dtype.itemsize,
+        },
+    )
+    if slot is not None and not 0 <= slot < layout.num_slots:
+        wrong.append(f"slot {slot} outside its {layout.num_slots} slots")
+    if wrong:
+        raise IncompatibleStateError(f"{who}: RNN state pools do not match its share: {'; '.join(wrong)}")
