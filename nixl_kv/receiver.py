@@ -32,6 +32,7 @@ from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadV
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
+from nixl_kv.topology import holds_request
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
@@ -202,31 +203,11 @@ class CacheReceiver:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state = self._decode_state(params.ctx_state)
-        self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
-        if params.layerwise and ctx_state.cache.rnn is not None:
-            raise NotSupportedError(
-                "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
-            )
-        if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
-            raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
-        read_request = ReadRequest(
-            self_state=self._self_state,
-            self_rank=self._self_rank,
-            self_layout=self._cache.layout,
-            peer_state=ctx_state,
-            peer_block_ids=params.block_ids,
-            local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
-            num_tokens=params.num_tokens,
-            peer_dp_rank=params.ctx_dp_rank,
-            first_block=request.reused_blocks,
-            stage_bytes=self._stage_bytes(ctx_state),
-            direct_min_run_bytes=self._direct_min_run_bytes,
-            self_indexer=getattr(self._cache, "indexer_layout", None),
-            self_rnn=getattr(self._cache, "rnn_layout", None),
-            self_rnn_slot=_rnn_slot(self._cache, request.request_id),
-            peer_rnn_slot=params.rnn_slot,
-        )
-        plan = self._formatter.plan(read_request)
+        try:
+            read_request, plan = self._plan(request, params, ctx_state)
+        except NixlKvError as exc:
+            self._release_ctx_side(params, ctx_state, str(exc))
+            raise
         request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
         request.num_tokens = params.num_tokens
         request.transfer_bytes = sum(read.total_bytes for read in plan)
@@ -251,6 +232,66 @@ class CacheReceiver:
             self._cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
             self._active[key] = incoming
             self._by_request[request.request_id] = key
+
+    def _release_ctx_side(self, params: ContextPhaseParams, ctx_state: DataTransceiverState, reason: str) -> None:
+        """A request this rank cannot read fails as a whole: tell the ctx ranks holding it, so they release its
+        blocks now rather than at the end of their lease (in the background: first contact takes a while)."""
+        ctx = ctx_state.cache.parallel
+        holders = [
+            ctx_state.comm.ranks[rank] for rank in range(ctx.world_size) if holds_request(ctx, rank, params.ctx_dp_rank)
+        ]
+        message = wire.encode(
+            ReadDone(
+                ctx_instance_id=ctx_state.instance_id,
+                request_id=params.request_id,
+                transfer_id=0,
+                reader_metadata=self._metadata,
+                expected_readers=1,
+                final=True,
+                failed=True,
+                reason=f"a gen rank cannot read the request: {reason}"[:512],
+            )
+        )
+
+        def tell() -> None:
+            for rank in holders:
+                try:
+                    self._peers.connect(rank)
+                    self._loop.agent.notify(rank.agent_name, message)
+                except AgentError as exc:
+                    log.info("could not tell %s that request %d failed: %s", rank.agent_name, params.request_id, exc)
+
+        self._loop.submit(tell)
+
+    def _plan(
+        self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
+    ) -> tuple[ReadRequest, list[PeerRead]]:
+        """Check the pairing and plan this rank's reads of the request (no byte moves yet)."""
+        self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
+        if params.layerwise and ctx_state.cache.rnn is not None:
+            raise NotSupportedError(
+                "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
+            )
+        if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
+            raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
+        read_request = ReadRequest(
+            self_state=self._self_state,
+            self_rank=self._self_rank,
+            self_layout=self._cache.layout,
+            peer_state=ctx_state,
+            peer_block_ids=params.block_ids,
+            local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
+            num_tokens=params.num_tokens,
+            peer_dp_rank=params.ctx_dp_rank,
+            first_block=request.reused_blocks,
+            stage_bytes=self._stage_bytes(ctx_state),
+            direct_min_run_bytes=self._direct_min_run_bytes,
+            self_indexer=getattr(self._cache, "indexer_layout", None),
+            self_rnn=getattr(self._cache, "rnn_layout", None),
+            self_rnn_slot=_rnn_slot(self._cache, request.request_id),
+            peer_rnn_slot=params.rnn_slot,
+        )
+        return read_request, self._formatter.plan(read_request)
 
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
         """One READ per peer where the formatter planned more: a direct KV part and the state after it are read

@@ -373,3 +373,30 @@ def test_claims_that_arrive_before_the_ctx_rank_registers(pair_factory, register
         assert "not pinned here" in request.error and time.monotonic() - start < 2.0
         with sender._lock:
             sender._outgoing[1] = entry  # give it back so that closing releases it
+
+
+def test_a_request_the_gen_side_refuses_is_released_on_the_ctx_side_at_once() -> None:
+    """An incompatible pairing fails on the gen side before any byte moves; the ctx side hears of it and
+    unpins the request's blocks then, not at the end of its (here one minute) lease."""
+    ctx_shape, gen_shape = Shape(), dataclasses.replace(Shape(), head_dim=16)
+    ctx_cache, gen_cache = ctx_shape.cache(), gen_shape.cache()
+    ctx = CacheTransceiver(ctx_cache, ctx_shape.state(), CacheTransceiverConfig(lease_ms=60_000))
+    gen = CacheTransceiver(gen_cache, gen_shape.state())
+    try:
+        ctx_cache.allocate(1, 40)
+        request = TransferRequest(1, num_tokens=40)
+        ctx.respond_and_send_async(request)
+        gen_cache.allocate(2, 40)
+        received = TransferRequest(2, context_phase_params=request.context_phase_params)
+        gen.request_and_receive_sync(received)
+        assert received.state is RequestState.TRANS_ERROR and "head_dim: ours 16, peer 8" in received.error
+        start = time.monotonic()
+        ctx.check_context_transfer_status(None, mark_complete=True)
+        assert time.monotonic() - start < 5
+        assert request.state is RequestState.TRANS_ERROR
+        assert "a gen rank cannot read the request: ctx and gen caches differ: head_dim" in request.error
+        ctx_cache.free(1)
+        assert ctx_cache.free_blocks == ctx_shape.num_blocks  # unpinned: the blocks came back
+    finally:
+        ctx.close()
+        gen.close()
