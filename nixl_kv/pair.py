@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,7 @@ class ParallelSpec:
     def parse(cls, text: str) -> ParallelSpec:
         """Unknown keys and bad values are errors."""
         values: dict[str, Any] = {}
-        for item in filter(None, text.split(",")):
-            key, sep, value = item.partition("=")
-            if not sep or key not in cls.__dataclass_fields__:
-                raise ValueError(f"bad SPEC item {item!r}: expected key=value with keys tp, pp, cp, dp, layers, layout")
+        for key, value in _items(text, cls.__dataclass_fields__, "SPEC"):
             if key == "layout":
                 if value not in LAYOUTS:
                     raise ValueError(f"bad layout {value!r}: one of {', '.join(LAYOUTS)}")
@@ -96,20 +94,27 @@ def parse_rnn(text: str) -> RnnSpec:
     """``layers=2,heads=4,head_dim=64,d_state=16,d_conv=4,n_groups=1,layout=xbc,conv_dtype=float32,...``;
     keys not given keep RnnSpec's defaults. Unknown keys and bad values are errors."""
     values: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key not in RnnSpec.__dataclass_fields__:
-            raise ValueError(f"bad --rnn item {item!r}: keys are {', '.join(RnnSpec.__dataclass_fields__)}")
+    for key, value in _items(text, RnnSpec.__dataclass_fields__, "--rnn"):
         if key == "layout":
             ConvSectionLayout(value)  # ValueError names the bad value
         elif key.endswith("dtype"):
             DataType(value)
         else:
-            value = int(value)
-            if value < (2 if key == "d_conv" else 1):
-                raise ValueError(f"bad --rnn item {item!r}: must be at least {2 if key == 'd_conv' else 1}")
-        values[key] = value
+            least = 2 if key == "d_conv" else 1
+            if not value.isdigit() or int(value) < least:
+                raise ValueError(f"bad --rnn item {key}={value}: expected an integer of at least {least}")
+        values[key] = value if key == "layout" or key.endswith("dtype") else int(value)
     return RnnSpec(**values)
+
+
+def _items(text: str, keys: Iterable[str], what: str) -> Iterator[tuple[str, str]]:
+    """The ``key=value`` items of a comma-separated option; an unknown key or an item without ``=`` is an error."""
+    keys = list(keys)
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise ValueError(f"bad {what} item {item!r}: expected key=value with keys {', '.join(keys)}")
+        yield key, value
 
 
 @dataclass(frozen=True)

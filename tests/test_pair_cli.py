@@ -61,6 +61,14 @@ def test_pair_defaults_are_a_real_model_shape() -> None:
         (["--ctx=pp=2,layers=1:2", "--layers", "4"], "do not sum to 4 layers"),
         (["--gen=tp=2", "--kv-heads", "3"], "3 kv heads do not split evenly over TP 2"),
         (["--gen=layout=weird"], "bad layout 'weird'"),
+        (["--indexer-dim", "128"], "--indexer-dim needs --attention mla"),
+        (["--rnn", "layers=2", "--layerwise"], "--rnn cannot be combined with --layerwise"),
+        (["--rnn", "heads=4,n_groups=3", "--gen=tp=2"], "3 groups neither split over nor replicate evenly on TP 2"),
+        (["--rnn", "heads=6", "--gen=tp=4", "--kv-heads", "4"], "6 Mamba heads do not split evenly over TP 4"),
+        (["--rnn", "layers=1", "--ctx=pp=2", "--layers", "2"], "1 Mamba layers cannot be split over pp=2"),
+        (["--rnn", "d_conv=1"], "bad --rnn item d_conv=1: expected an integer of at least 2"),
+        (["--rnn", "layout=abc"], "'abc' is not a valid ConvSectionLayout"),
+        (["--rnn", "size=3"], "bad --rnn item 'size=3': expected key=value with keys layers, heads"),
     ],
 )
 def test_unsupported_runs_are_refused_clearly(args: list[str], message: str) -> None:

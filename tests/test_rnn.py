@@ -272,13 +272,18 @@ def test_hybrid_pairs_with_every_section_layout() -> None:
             gen.close()
 
 
+def respond(cache: PagedKVCache, transceiver: CacheTransceiver) -> tuple[TransferRequest, ContextPhaseParams]:
+    """Request 1 (20 tokens) responded on the ctx side, and its params decoded (to be altered)."""
+    cache.allocate(1, 20)
+    request = TransferRequest(1, num_tokens=20)
+    transceiver.respond_and_send_async(request)
+    return request, wire.decode(request.context_phase_params, ContextPhaseParams)
+
+
 def test_a_slot_outside_the_ctx_pools_is_refused_before_any_read(hybrid_pair: tuple) -> None:
     """Params naming a slot the ctx pools do not have (forged, or from a mismatched build) fail the request."""
     _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
-    ctx_cache.allocate(1, 20)
-    request = TransferRequest(1, num_tokens=20)
-    ctx.respond_and_send_async(request)
-    params = wire.decode(request.context_phase_params, ContextPhaseParams)
+    request, params = respond(ctx_cache, ctx)
     forged = wire.encode(dataclasses.replace(params, rnn_slot=99))
     gen_cache.allocate(2, 20)
     received = TransferRequest(2, context_phase_params=forged)
@@ -311,10 +316,7 @@ def test_pools_that_do_not_hold_the_share_fail_at_start() -> None:
 def test_gen_refuses_layerwise_params_with_rnn_state(hybrid_pair: tuple) -> None:
     """Even if a ctx side sends them (the state would be read before prefill finished it)."""
     _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
-    ctx_cache.allocate(1, 20)
-    request = TransferRequest(1, num_tokens=20)
-    ctx.respond_and_send_async(request)
-    params = wire.decode(request.context_phase_params, ContextPhaseParams)
+    request, params = respond(ctx_cache, ctx)
     gen_cache.allocate(2, 20)
     received = TransferRequest(2, context_phase_params=wire.encode(dataclasses.replace(params, layerwise=True)))
     gen.request_and_receive_sync(received)
