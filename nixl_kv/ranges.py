@@ -46,6 +46,11 @@ def coalesce(
 
 def _region_of(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[MemoryRegion], side: str) -> np.ndarray:
     """The index of the region holding each entry."""
+    if len(regions) == 1:  # the common case: one pool per kind of state
+        region = regions[0]
+        if addresses.min() < region.address or (addresses + lengths).max() > region.address + region.nbytes:
+            raise IncompatibleStateError(f"{side} state rows fall outside the registered pools")
+        return np.zeros(len(addresses), dtype=np.int64)
     order = np.argsort([r.address for r in regions])
     starts = np.array([regions[i].address for i in order], dtype=np.int64)
     ends = np.array([regions[i].address + regions[i].nbytes for i in order], dtype=np.int64)

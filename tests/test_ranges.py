@@ -33,9 +33,13 @@ def test_runs_break_where_either_side_jumps() -> None:
 
 
 def test_an_entry_outside_the_pools_is_refused() -> None:
-    pool = regions((0, 1000, 0))
+    pool, two = regions((0, 1000, 0)), regions((0, 1000, 0), (2000, 1000, 0))
     with pytest.raises(IncompatibleStateError, match="remote state rows fall outside the registered pools"):
         coalesce(np.array([0]), np.array([950]), np.array([100]), pool, pool)
+    with pytest.raises(IncompatibleStateError, match="local state rows fall outside the registered pools"):
+        coalesce(np.array([1500]), np.array([0]), np.array([100]), two, pool)
+    with pytest.raises(IncompatibleStateError, match="local state rows fall outside the registered pools"):
+        coalesce(np.array([950]), np.array([0]), np.array([100]), two, pool)  # runs past the end of the first
 
 
 @pytest.mark.parametrize("kind", list(LayoutKind))
