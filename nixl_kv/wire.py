@@ -1,7 +1,8 @@
 """Versioned msgpack wire format with full validation of untrusted bytes.
 
 Every message is a map ``{"nixl_kv": WIRE_VERSION, "type": <name>, "body": {...}}``. The body of a dataclass
-is a map of its field names; enums travel as their values, tuples as arrays, bytes as bin. Decoding walks
+is a map of its field names, less those at their default (so a peer built before a field was added still reads
+messages that do not use it); enums travel as their values, tuples as arrays, bytes as bin. Decoding walks
 the dataclass's type hints, so each field's type, bounds and length are checked, then each object's
 ``problems()`` checks cross-field rules. Whatever the input, the decoder raises only ``WireFormatError``.
 """
@@ -76,7 +77,11 @@ def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: _to_plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default
+        }
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):

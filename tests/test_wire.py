@@ -804,3 +804,14 @@ def test_size_limit_counts_bytes_of_a_multidimensional_memoryview() -> None:
     with pytest.raises(WireFormatError) as info:
         wire.decode(memoryview(data), ContextPhaseParams)
     assert info.value.problem == f"{wire.MAX_MESSAGE_BYTES + 1} bytes exceeds the {wire.MAX_MESSAGE_BYTES}-byte limit"
+
+
+def test_fields_at_their_default_are_left_out() -> None:
+    """A peer built before the indexer-K cache, RNN state or layer-wise transfer existed rejects unknown fields;
+    messages that do not use them must not carry them."""
+    body = msgpack.unpackb(wire.encode(dataclasses.replace(make_params(), rnn_slot=None)), raw=False)["body"]
+    assert not {"rnn_slot", "layerwise"} & set(body) and body["ctx_dp_rank"] == 1
+    state = msgpack.unpackb(wire.encode(make_state()), raw=False)["body"]
+    assert not {"indexer", "rnn", "staging", "slot_bytes"} & set(state["comm"]["ranks"][0])
+    assert not {"rnn", "has_indexer_k_cache", "indexer_dim"} & set(state["cache"])
+    assert wire.decode(wire.encode(make_state()), DataTransceiverState) == make_state()
