@@ -41,4 +41,10 @@ for layout in xbc qkv none; do
   done
 done
 row tp=2,pp=2 tp=4 --layers 4 --kv-heads 4 --dtype float16 --rnn "$RNN,layers=4,heads=8,n_groups=4,layout=xbc"
+ISSUE="layers=2,heads=4,head_dim=64,d_state=16,d_conv=4,n_groups=1,conv_dtype=float32,ssm_dtype=bfloat16"
+for layout in xbc qkv none; do  # the issue's example: one group, replicated on both TP ranks
+  for pairing in "tp=1 tp=2" "tp=2 tp=1" "pp=2 tp=1" "tp=2 tp=2,dp=1"; do
+    row ${pairing} --layers 2 --kv-heads 4 --dtype bfloat16 --rnn "$ISSUE,layout=$layout"
+  done
+done
 } > "$OUT_FILE"
