@@ -1,8 +1,9 @@
 """The ctx ranks a gen rank reads from: metadata loaded once, descriptor lists prepared once and reused.
 
-Beyond ``max_peers`` prepared lists, the least recently used ones that no active request reads are released,
-and an agent none of the kept lists belongs to is forgotten, so a long-lived gen instance serving ctx instances
-that come and go does not accumulate remote agents.
+Beyond ``max_peers`` prepared lists, the least recently used ones that no active request reads are released;
+beyond ``max_peers`` loaded agents, the least recently used ones that no active request reads and no kept list
+belongs to are forgotten (also agents loaded only to be notified), so a long-lived gen instance serving ctx
+instances that come and go does not accumulate remote agents.
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ class PeerDirectory:
         self._max_peers = max_peers
         self._busy_agents = busy_agents
         self._prepared: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
-        self._loaded: set[str] = set()
+        self._loaded: OrderedDict[str, None] = OrderedDict()  # least recently used first
 
     def connect(self, rank: RankCommInfo) -> None:
         """Make the rank's agent reachable (READs and notifications); its metadata is loaded only once."""
         if rank.agent_name in self._loaded:
+            self._loaded.move_to_end(rank.agent_name)
             return
         loaded = self._agent.load_remote(rank.agent_metadata)
         if loaded != rank.agent_name:
             self._agent.forget_remote(loaded)
             raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
-        self._loaded.add(loaded)
+        self._loaded[loaded] = None
+        self._evict_idle()
+
+    @property
+    def loaded(self) -> int:
+        return len(self._loaded)
 
     def descriptors(self, rank: RankCommInfo, coarse: bool) -> Any:
         """The rank's pool descriptors at the given granularity, prepared on first use."""
@@ -53,6 +60,8 @@ class PeerDirectory:
         excess = max(0, len(self._prepared) - self._max_peers)
         for key in [k for k in self._prepared if k[0] not in busy][:excess]:
             self._agent.release_prepared(self._prepared.pop(key))
-            if all(agent != key[0] for agent, _ in self._prepared):
-                self._loaded.discard(key[0])
-                self._agent.forget_remote(key[0])
+        with_lists = {agent for agent, _ in self._prepared}
+        excess = max(0, len(self._loaded) - self._max_peers)
+        for name in [a for a in self._loaded if a not in busy and a not in with_lists][:excess]:
+            del self._loaded[name]
+            self._agent.forget_remote(name)

@@ -42,6 +42,8 @@ CLAIM_RETRY_S = 1e-3
 SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_GBPS
 SLOW_GBPS = {"DRAM": 2.0, "VRAM": 20.0}  # below: a fallback path (TCP gave 0.9 GB/s on DRAM; cuda_ipc ~390 on VRAM)
 STUCK_RETRY_S = 0.1
+MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
+LONG_RUN_BYTES = 1 << 20  # READs of explicit rows are timed for the transport check only if rows average this
 
 
 @dataclass
@@ -203,6 +205,10 @@ class CacheReceiver:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state = self._decode_state(params.ctx_state)
+        key = (ctx_state.instance_id, params.request_id)
+        with self._lock:
+            if key in self._active or request.request_id in self._by_request:  # a retry must not end the original
+                raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
         try:
             read_request, plan = self._plan(request, params, ctx_state)
         except NixlKvError as exc:
@@ -212,7 +218,6 @@ class CacheReceiver:
         request.num_tokens = params.num_tokens
         request.transfer_bytes = sum(read.total_bytes for read in plan)
         budget_ms = params.lease_ms  # the ctx side releases the blocks then: reading later cannot succeed
-        key = (ctx_state.instance_id, params.request_id)
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
         deadline = request.transfer_start + budget_ms / 1000
         request.transfer_deadline = deadline
@@ -232,6 +237,21 @@ class CacheReceiver:
             self._cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
             self._active[key] = incoming
             self._by_request[request.request_id] = key
+
+    def _local_blocks(self, request_id: int) -> np.ndarray:
+        try:
+            return np.asarray(self._cache.block_ids(request_id))
+        except KeyError as exc:
+            raise TransferError(f"the gen cache holds no blocks for request {request_id}: {exc}") from None
+
+    def _local_slot(self, request_id: int) -> int | None:
+        """The request's Mamba state slot, for caches that keep RNN state (``rnn_layout`` not None)."""
+        if getattr(self._cache, "rnn_layout", None) is None:
+            return None
+        try:
+            return self._cache.rnn_slot(request_id)
+        except KeyError as exc:
+            raise TransferError(f"the gen cache holds no RNN state slot for request {request_id}: {exc}") from None
 
     def _release_ctx_side(self, params: ContextPhaseParams, ctx_state: DataTransceiverState, reason: str) -> None:
         """A request this rank cannot read fails as a whole: tell the ctx ranks holding it, so they release its
@@ -254,11 +274,11 @@ class CacheReceiver:
         )
 
         def tell() -> None:
-            for rank in holders:
+            for rank in holders[:MAX_RELEASE_NOTICES]:  # loading an agent takes ~20 ms on the loop thread
                 try:
                     self._peers.connect(rank)
                     self._loop.agent.notify(rank.agent_name, message)
-                except AgentError as exc:
+                except Exception as exc:  # best effort: the ctx lease still ends the request
                     log.info("could not tell %s that request %d failed: %s", rank.agent_name, params.request_id, exc)
 
         self._loop.submit(tell)
@@ -280,7 +300,7 @@ class CacheReceiver:
             self_layout=self._cache.layout,
             peer_state=ctx_state,
             peer_block_ids=params.block_ids,
-            local_block_ids=np.asarray(self._cache.block_ids(request.request_id)),
+            local_block_ids=self._local_blocks(request.request_id),
             num_tokens=params.num_tokens,
             peer_dp_rank=params.ctx_dp_rank,
             first_block=request.reused_blocks,
@@ -288,7 +308,7 @@ class CacheReceiver:
             direct_min_run_bytes=self._direct_min_run_bytes,
             self_indexer=getattr(self._cache, "indexer_layout", None),
             self_rnn=getattr(self._cache, "rnn_layout", None),
-            self_rnn_slot=_rnn_slot(self._cache, request.request_id),
+            self_rnn_slot=self._local_slot(request.request_id),
             peer_rnn_slot=params.rnn_slot,
         )
         return read_request, self._formatter.plan(read_request)
@@ -484,7 +504,9 @@ class CacheReceiver:
                 peer.rank.layout.pools[0].memory,
                 self._read_done(incoming, peer, transfer, final=final),
             )
-            transfer.nbytes = self._measurable(peer, extra.nbytes, True)
+            transfer.nbytes = self._measurable(
+                peer, extra.nbytes, extra.nbytes >= LONG_RUN_BYTES * len(extra.local_rows)
+            )
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         elif not peer.plan.staged:
             coarse = peer.plan.coarse
@@ -679,8 +701,3 @@ class CacheReceiver:
             active = list(self._active.values())
         for incoming in active:
             self._fail(incoming, "the transceiver was closed")
-
-
-def _rnn_slot(cache: CacheManager, request_id: int) -> int | None:
-    """The request's Mamba state slot, for caches that keep RNN state (``rnn_layout`` not None)."""
-    return cache.rnn_slot(request_id) if getattr(cache, "rnn_layout", None) is not None else None

@@ -65,6 +65,8 @@ def check_split(rnn: RnnConfig, parallel: ParallelConfig) -> None:
     if rnn.conv_section_layout is ConvSectionLayout.NONE:
         if conv_sections(rnn)[0] % tp:
             raise NotSupportedError(f"{conv_sections(rnn)[0]} conv channels (layout none) do not split over TP {tp}")
+    elif rnn.num_heads % rnn.n_groups:
+        raise NotSupportedError(f"{rnn.num_heads} Mamba heads do not form {rnn.n_groups} equal groups")
     elif rnn.n_groups % tp and tp % rnn.n_groups:
         raise NotSupportedError(f"{rnn.n_groups} groups neither split over nor replicate evenly on TP {tp}")
 

@@ -19,7 +19,7 @@ from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
-from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.errors import IncompatibleStateError, NotSupportedError, WireFormatError
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
@@ -75,6 +75,7 @@ class CacheTransceiver:
         self.config = config or CacheTransceiverConfig()
         self._comm = comm or SingleProcessComm()
         self.instance_id: str = self._comm.bcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
+        _check_state(cache_state)
         self._cache = cache
         layout = cache.layout
         self._staging = CacheTransBufferManager(
@@ -292,3 +293,11 @@ def _state_pools(cache: CacheManager, cache_state: CacheState, rank: int) -> tup
         check_split(cache_state.rnn, cache_state.parallel)
         check_rnn_pools(rnn, rnn_share(cache_state.rnn, cache_state.parallel, rank), cache_state.rnn, "this rank")
     return indexer, rnn
+
+
+def _check_state(cache_state: CacheState) -> None:
+    """The same field and cross-field rules as for a peer's state (the wire decoder's), for our own."""
+    try:
+        wire.decode(wire.encode(cache_state), CacheState)
+    except WireFormatError as exc:
+        raise IncompatibleStateError(f"this rank's cache state is not valid: {exc}") from None

@@ -24,10 +24,11 @@ PY
 echo "| ctx | gen | options | verified | mismatched | bytes | ok |"
 echo "|---|---|---|---|---|---|---|"
 GRID=("tp=1,pp=1" "tp=2,pp=1" "tp=1,pp=2" "tp=2,pp=2")
-for dtype in float32 int8; do
+for dtype in float32 int8; do  # the int8 runs carry the DSA indexer-K cache too
+  indexer=(); [ "$dtype" = int8 ] && indexer=(--indexer-dim 128)
   for ctx in "${GRID[@]}"; do
     for gen in "${GRID[@]}"; do
-      row "$ctx" "$gen" --layers 4 --kv-heads 1 --attention mla --dtype "$dtype"
+      row "$ctx" "$gen" --layers 4 --kv-heads 1 --attention mla --dtype "$dtype" "${indexer[@]}"
     done
   done
 done

@@ -91,3 +91,29 @@ def test_garbage_metadata_and_unregistered_memory_are_agent_errors(agents: tuple
     outside = np.array([[source.ctypes.data + source.nbytes, 4096, 0]], dtype=np.uint64)
     with pytest.raises(AgentError, match="prepare descriptors of test-ctx"):
         gen.prepare("test-ctx", outside, MemoryKind.DRAM)
+
+
+def test_peer_directory_forgets_idle_agents_beyond_its_bound() -> None:
+    """Agents loaded only to be notified (NoReaders, refusals) are forgotten too, least recently used first,
+    never one an active request reads from."""
+    from nixl_kv.layout import KVLayout, LayoutKind
+    from nixl_kv.peers import PeerDirectory
+    from nixl_kv.state import RankCommInfo
+
+    busy: set[str] = set()
+    me = NixlAgent("directory-owner")
+    others = [NixlAgent(f"directory-peer-{i}") for i in range(4)]
+    layout = KVLayout(LayoutKind.BLOCK_MAJOR, 1, 1, 1, 1, 1, 1, 1, (MemoryRegion(4096, 1, 0, MemoryKind.DRAM),))
+    ranks = [RankCommInfo(agent.name, agent.metadata(), layout) for agent in others]
+    directory = PeerDirectory(me, max_peers=2, busy_agents=lambda: busy)
+    try:
+        busy.add(others[0].name)
+        for rank in ranks:
+            directory.connect(rank)
+        assert directory.loaded == 2 and me.live_handles["remotes"] == 2
+        assert others[0].name in me._remotes and others[3].name in me._remotes  # busy, and most recent
+        directory.connect(ranks[1])  # forgotten before: loaded again
+        assert directory.loaded == 2 and others[1].name in me._remotes
+    finally:
+        for agent in (me, *others):
+            agent.close()

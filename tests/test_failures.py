@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nixl_kv.config import CacheTransceiverConfig
-from nixl_kv.errors import NotSupportedError
+from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.fill import expected
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import LayoutKind
@@ -400,3 +400,25 @@ def test_a_request_the_gen_side_refuses_is_released_on_the_ctx_side_at_once() ->
     finally:
         ctx.close()
         gen.close()
+
+
+def test_a_refused_retry_does_not_end_the_transfer_in_flight(pair_factory) -> None:
+    """A second gen request for a ctx request already being received fails alone; the first one completes."""
+    pair = pair_factory()
+    ctx_request = pair.prefill(1, 40)
+    first = pair.gen_request(5, ctx_request)
+    with stalled(pair.ctx):
+        pair.gen.transceiver.request_and_receive_async(first)
+        pair.gen.cache.allocate(6, 1)  # too few blocks: planning would fail, and used to release the ctx side
+        retry = TransferRequest(6, context_phase_params=ctx_request.context_phase_params)
+        pair.gen.transceiver.request_and_receive_sync(retry)
+    assert retry.state is RequestState.TRANS_ERROR and "is already being received" in retry.error
+    assert _poll_gen(pair, 5) == "completed"
+    assert pair.mismatches(5, 1, 40) == 0
+
+
+def test_an_invalid_local_cache_state_fails_at_start() -> None:
+    shape = Shape()
+    state = dataclasses.replace(shape.state(), parallel=ParallelConfig(attention_layers_per_pp_rank=(1, 1)))
+    with pytest.raises(IncompatibleStateError, match="this rank's cache state is not valid: CacheState.parallel"):
+        CacheTransceiver(shape.cache(), state)
