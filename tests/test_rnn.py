@@ -194,31 +194,41 @@ def hybrid_pair() -> tuple:
         assert transceiver._agent.live_handles == {"transfers": 0, "prepared": 0, "remotes": 0, "registrations": 0}
 
 
-def test_hybrid_request_moves_kv_and_state_in_one_transfer(hybrid_pair: tuple) -> None:
-    config, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
-    where = Slice(0, LAYERS, 0, HEADS, 2, DIM, 0, 40)
-    ctx_cache.allocate(99, 1)  # takes slot 0: the request's slot on the ctx side is 1, on the gen side 0
-    ctx_cache.allocate(5, 40)
-    ctx_cache.write_tokens(5, expected(5, where, 2))
+def move_hybrid(
+    config: RnnConfig, ctx_side: tuple, gen_side: tuple, ctx_id: int, gen_id: int, num_tokens: int
+) -> tuple:
+    """Fill and respond a hybrid request on the ctx side and pull it on the gen side; returns both requests and
+    the READs the gen side posted. The gen request's KV and state are checked element by element."""
+    (ctx_cache, ctx), (gen_cache, gen) = ctx_side, gen_side
+    where = Slice(0, LAYERS, 0, HEADS, 2, DIM, 0, num_tokens)
     held = rnn_share(config, ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)), 0)
-    ctx_cache.rnn.write(ctx_cache.rnn_slot(5), *rnn_expected(5, held, config))
-    request = TransferRequest(5, num_tokens=40)
+    ctx_cache.allocate(ctx_id, num_tokens)
+    ctx_cache.write_tokens(ctx_id, expected(ctx_id, where, 2))
+    ctx_cache.rnn.write(ctx_cache.rnn_slot(ctx_id), *rnn_expected(ctx_id, held, config))
+    request = TransferRequest(ctx_id, num_tokens=num_tokens)
     ctx.respond_and_send_async(request)
-    gen_cache.allocate(8, 40)
-    received = TransferRequest(8, context_phase_params=request.context_phase_params)
+    gen_cache.allocate(gen_id, num_tokens)
+    received = TransferRequest(gen_id, context_phase_params=request.context_phase_params)
     posted = record_reads(gen)
     gen.request_and_receive_sync(received)
-    assert posted == ["ranges", "ranges"]  # block-major -> NHD: the KV staged (one piece), then the state
     assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
-    assert (ctx_cache.rnn_slot(5), gen_cache.rnn_slot(8)) == (1, 0)
-    assert count_mismatches(gen_cache.read_tokens(8, 40), 5, where) == 0
-    conv, ssm = gen_cache.rnn.read(0)
-    want_conv, want_ssm = rnn_expected(5, held, config)
+    assert count_mismatches(gen_cache.read_tokens(gen_id, num_tokens), ctx_id, where) == 0
+    conv, ssm = gen_cache.rnn.read(gen_cache.rnn_slot(gen_id))
+    want_conv, want_ssm = rnn_expected(ctx_id, held, config)
     assert np.array_equal(conv, want_conv) and np.array_equal(ssm, want_ssm)
+    return request, received, posted
+
+
+def test_hybrid_request_moves_kv_and_state_in_one_transfer(hybrid_pair: tuple) -> None:
+    config, ctx_side, gen_side = hybrid_pair
+    ctx_side[0].allocate(99, 1)  # takes slot 0: the request's slot on the ctx side is 1, on the gen side 0
+    request, received, posted = move_hybrid(config, ctx_side, gen_side, 5, 8, 40)
+    assert posted == ["ranges", "ranges"]  # block-major -> NHD: the KV staged (one piece), then the state
+    assert (ctx_side[0].rnn_slot(5), gen_side[0].rnn_slot(8)) == (1, 0)
     kv_bytes = 3 * TPB * LAYERS * 2 * HEADS * DIM * 2
     state_bytes = 3 * (48 * 3 * 4 + 4 * 8 * 4 * 2)
     assert received.transfer_bytes == request.transfer_bytes == kv_bytes + state_bytes  # read == held on ctx
-    ctx.check_context_transfer_status(None, mark_complete=True)
+    ctx_side[1].check_context_transfer_status(None, mark_complete=True)
     assert request.state is RequestState.CONTEXT_COMPLETE
 
 
@@ -250,26 +260,13 @@ def test_hybrid_pairs_with_every_section_layout() -> None:
     KV and the state come in one READ."""
     for layout in ConvSectionLayout:
         config = rnn_config(layout, layers=2)
-        ctx_cache, ctx = hybrid_side(config, LayoutKind.BLOCK_MAJOR)
-        gen_cache, gen = hybrid_side(config, LayoutKind.BLOCK_MAJOR)
+        ctx_side, gen_side = hybrid_side(config, LayoutKind.BLOCK_MAJOR), hybrid_side(config, LayoutKind.BLOCK_MAJOR)
         try:
-            ctx_cache.allocate(3, 20)
-            held = rnn_share(config, ParallelConfig(attention_layers_per_pp_rank=(LAYERS,)), 0)
-            ctx_cache.rnn.write(0, *rnn_expected(3, held, config))
-            request = TransferRequest(3, num_tokens=20)
-            ctx.respond_and_send_async(request)
-            gen_cache.allocate(4, 20)
-            received = TransferRequest(4, context_phase_params=request.context_phase_params)
-            posted = record_reads(gen)
-            gen.request_and_receive_sync(received)
-            assert posted == ["ranges"]  # the direct KV and the state in one READ: one confirmation round trip
-            assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
-            conv, ssm = gen_cache.rnn.read(0)
-            want_conv, want_ssm = rnn_expected(3, held, config)
-            assert np.array_equal(conv, want_conv) and np.array_equal(ssm, want_ssm), layout
+            _, _, posted = move_hybrid(config, ctx_side, gen_side, 3, 4, 20)
+            assert posted == ["ranges"], layout  # the direct KV and the state in one READ: one round trip
         finally:
-            ctx.close()
-            gen.close()
+            ctx_side[1].close()
+            gen_side[1].close()
 
 
 def respond(cache: PagedKVCache, transceiver: CacheTransceiver) -> tuple[TransferRequest, ContextPhaseParams]:
