@@ -15,9 +15,9 @@ from nixl_kv.interfaces import RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import RnnLayout
 from nixl_kv.pool_checks import check_rnn_pools
 from nixl_kv.ranges import coalesce
-from nixl_kv.rnn import RnnPiece, RnnShare, check_split, rnn_pieces, rnn_share
+from nixl_kv.rnn import RnnPiece, RnnShare, check_split, rnn_pieces, rnn_readers, rnn_share
 from nixl_kv.state import CacheState
-from nixl_kv.topology import holds_request, position
+from nixl_kv.topology import position
 
 COMPARED = ("num_heads", "head_dim", "d_state", "d_conv", "n_groups", "hidden_size", "conv_section_layout")
 
@@ -76,15 +76,7 @@ class RnnFormatter(StatePlanner):
         if gen.rnn is None or ctx.rnn is None:
             return frozenset()
         gen_dp_rank = position(gen.parallel, request.self_rank).tp_rank
-        return frozenset(
-            rank
-            for rank in range(gen.parallel.world_size)
-            if holds_request(gen.parallel, rank, gen_dp_rank)
-            and any(
-                peer == peer_rank
-                for peer, _ in rnn_pieces(gen.rnn, gen.parallel, rank, ctx.rnn, ctx.parallel, request.peer_dp_rank)
-            )
-        )
+        return rnn_readers(gen.rnn, gen.parallel, gen_dp_rank, ctx.rnn, ctx.parallel, request.peer_dp_rank, peer_rank)
 
 
 Holder = tuple[RnnLayout, RnnShare, int]  # a rank's pools, its share, the request's slot there

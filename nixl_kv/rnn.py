@@ -152,3 +152,25 @@ def rnn_pieces(
         if len(piece.heads) or any(len(c) for c in piece.channels):
             found[rank] = piece
     return tuple(sorted(found.items()))
+
+
+@lru_cache(maxsize=4096)
+def rnn_readers(
+    reader_config: RnnConfig,
+    reader: ParallelConfig,
+    reader_dp_rank: int,
+    holder_config: RnnConfig,
+    holder: ParallelConfig,
+    holder_dp_rank: int,
+    holder_rank: int,
+) -> frozenset[int]:
+    """The reader ranks (of the request's DP rank) that read state from ``holder_rank``."""
+    return frozenset(
+        rank
+        for rank in range(reader.world_size)
+        if holds_request(reader, rank, reader_dp_rank)
+        and any(
+            peer == holder_rank
+            for peer, _ in rnn_pieces(reader_config, reader, rank, holder_config, holder, holder_dp_rank)
+        )
+    )

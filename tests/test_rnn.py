@@ -18,7 +18,7 @@ from nixl_kv.fill import Slice, count_mismatches, expected, rnn_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
-from nixl_kv.rnn import conv_sections, rnn_pieces, rnn_share
+from nixl_kv.rnn import conv_sections, rnn_pieces, rnn_readers, rnn_share
 from nixl_kv.rnn_cache import RnnStatePools
 from nixl_kv.state import CacheState, ContextPhaseParams, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
 from nixl_kv.topology import holds_request
@@ -336,3 +336,27 @@ def test_a_request_without_a_slot_is_not_left_pinned(hybrid_pair: tuple, monkeyp
         ctx.respond_and_send_async(TransferRequest(5, num_tokens=20))
     ctx_cache.free(5)
     assert ctx_cache.free_blocks == 16 and ctx_cache.rnn.slots.free_blocks == 3
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen"), [("tp1", "tp4"), ("tp4", "tp1"), ("tp2pp2", "tp4"), ("tp2dp", "tp4"), ("tp4", "tp2dp")]
+)
+@pytest.mark.parametrize("n_groups", [1, 2, 4])
+def test_readers_are_exactly_the_gen_ranks_that_read(ctx: str, gen: str, n_groups: int) -> None:
+    """What the ctx side is told to expect must be who comes: no reader missing, none counted that never reads."""
+    config = rnn_config(ConvSectionLayout.XBC, n_groups=n_groups)
+    ctx_par, gen_par = PARALLEL[ctx], PARALLEL[gen]
+    ctx_config = rnn_config(ConvSectionLayout.XBC, ctx_par.pp, n_groups=n_groups)
+    gen_config = rnn_config(ConvSectionLayout.XBC, gen_par.pp, n_groups=n_groups)
+    assert config.num_heads % n_groups == 0
+    for gen_dp in range(gen_par.dp_size):
+        for peer in range(ctx_par.world_size):
+            reading = {
+                rank
+                for rank in range(gen_par.world_size)
+                if holds_request(gen_par, rank, gen_dp)
+                and peer in dict(rnn_pieces(gen_config, gen_par, rank, ctx_config, ctx_par, 0))
+            }
+            assert rnn_readers(gen_config, gen_par, gen_dp, ctx_config, ctx_par, 0, peer) == reading
+            if holds_request(ctx_par, peer, 0) and ctx_par.world_size <= gen_par.world_size:
+                assert reading, f"ctx rank {peer} holds state nobody reads"
