@@ -154,3 +154,11 @@ def test_indexer_after_layerwise_and_staged_latent_reads(extra: tuple[str, ...])
 
 def test_mla_tp4_to_pp4() -> None:
     _run("tp=4", "pp=4", layers=8, heads=1, tokens_per_block=8, extra=("--attention", "mla"))
+
+
+def test_hybrid_whose_kv_the_gen_side_already_holds_moves_only_the_state() -> None:
+    """Prefix reuse covering every block: no KV READ at all, the Mamba state still moves (and nothing else)."""
+    summary = _run(
+        "tp=2", "tp=1", layers=2, dtype="float16", extra=("--rnn", f"{RNN},layout=xbc", "--reuse-prefix", "8")
+    )
+    assert summary["bytes"] == 2 * 4 * 2 * ((32 + 16) * 3 * 4 + 4 * 8 * 4 * 2)  # rounds, requests, layers, state
