@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from formatters.standard import StandardFormatter, _to_local
+from formatters.standard import StandardFormatter
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
-from nixl_kv.interfaces import Box, RangeRead, ReadRequest
+from nixl_kv.interfaces import LocalBox, RangeRead, ReadRequest
 from nixl_kv.layout import LayoutKind
 from nixl_kv.pool_checks import check_indexer_pools
 from nixl_kv.ranges import coalesce
 from nixl_kv.state import AttentionType, CacheState
-from nixl_kv.topology import PeerSlice, Share
+from nixl_kv.topology import position
 
 
 class MLAFormatter(StandardFormatter):
@@ -30,40 +30,31 @@ class MLAFormatter(StandardFormatter):
         for side, state in (("gen", self_state), ("ctx", peer_state)):
             if state.kv_factor != 1 or set(state.model.num_kv_heads_per_layer) != {1}:
                 raise IncompatibleStateError(f"{side}: an MLA cache has kv_factor 1 and one latent head per layer")
-        indexer = [
-            f"{name}: ours {getattr(self_state, name)!r}, peer {getattr(peer_state, name)!r}"
-            for name in ("has_indexer_k_cache", "indexer_dim", "indexer_k_quant_block_size")
-            if self_state.has_indexer_k_cache | peer_state.has_indexer_k_cache
-            and getattr(self_state, name) != getattr(peer_state, name)
-        ]
-        if indexer:
-            raise IncompatibleStateError("ctx and gen indexer-K caches differ: " + "; ".join(indexer))
+        if self_state.has_indexer_k_cache or peer_state.has_indexer_k_cache:
+            indexer = [
+                f"{name}: ours {getattr(self_state, name)!r}, peer {getattr(peer_state, name)!r}"
+                for name in ("has_indexer_k_cache", "indexer_dim", "indexer_k_quant_block_size")
+                if getattr(self_state, name) != getattr(peer_state, name)
+            ]
+            if indexer:
+                raise IncompatibleStateError("ctx and gen indexer-K caches differ: " + "; ".join(indexer))
         if peer_state.parallel.cp != 1:
             raise NotSupportedError(f"MLA needs ctx CP 1 (ctx has cp={peer_state.parallel.cp}); gen CP is supported")
 
-    def box_extras(
-        self, request: ReadRequest, piece: PeerSlice, mine: Share, theirs: Share, local_blocks: np.ndarray
-    ) -> list[RangeRead]:
-        gen = request.self_state.cache
-        if not gen.has_indexer_k_cache:
-            return []
-        remote_layout = request.peer_state.comm.ranks[piece.peer_rank].indexer
-        local_layout = request.self_indexer
-        remote_blocks = self._peer_blocks(request, piece.peer_rank, theirs)
-        check_indexer_pools(local_layout, gen, len(mine.layers), request.self_layout.num_blocks, "gen")
-        ctx_kv = request.peer_state.comm.ranks[piece.peer_rank].layout
-        who = f"ctx rank {piece.peer_rank}"
-        check_indexer_pools(remote_layout, gen, len(theirs.layers), ctx_kv.num_blocks, who)
-        box = Box(piece.layers, piece.heads, piece.blocks)
-        local, remote = _to_local(box, mine, local_blocks), _to_local(box, theirs, remote_blocks)
-        block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
+    def box_state(self, request: ReadRequest, peer_rank: int, local: LocalBox, remote: LocalBox) -> RangeRead | None:
+        """The box's indexer-K chunks, (block, layer) by (block, layer), merged into runs. The local pools were
+        checked against this rank's share when the transceiver started; the peer's are checked here."""
+        state = request.self_state.cache
+        if not state.has_indexer_k_cache:
+            return None
+        local_layout, rank = request.self_indexer, request.peer_state.comm.ranks[peer_rank]
+        held = request.peer_state.cache.parallel.attention_layers_per_pp_rank
+        stage = position(request.peer_state.cache.parallel, peer_rank).pp_rank
+        check_indexer_pools(rank.indexer, state, held[stage], rank.layout.num_blocks, f"ctx rank {peer_rank}")
+        block_first = local_layout.kind is rank.indexer.kind is LayoutKind.BLOCK_MAJOR
         local_at = local_layout.chunk_addresses(local.block_ids, local.layers, block_first)
-        remote_at = remote_layout.chunk_addresses(remote.block_ids, remote.layers, block_first)
-        rows = coalesce(
-            local_at,
-            remote_at,
-            np.full(len(local_at), local_layout.chunk_bytes),
-            local_layout.pools,
-            remote_layout.pools,
+        remote_at = rank.indexer.chunk_addresses(remote.block_ids, remote.layers, block_first)
+        lengths = np.full(len(local_at), local_layout.chunk_bytes)
+        return RangeRead(
+            "indexer-K cache", *coalesce(local_at, remote_at, lengths, local_layout.pools, rank.indexer.pools)
         )
-        return [RangeRead("indexer-K cache", *rows)]

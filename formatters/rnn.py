@@ -13,13 +13,16 @@ import numpy as np
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
 from nixl_kv.interfaces import RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import RnnLayout
-from nixl_kv.pool_checks import check_rnn_pools
+from nixl_kv.pool_checks import check_rnn_pools, check_slot
 from nixl_kv.ranges import coalesce
 from nixl_kv.rnn import RnnPiece, RnnShare, check_split, rnn_pieces, rnn_readers, rnn_share
 from nixl_kv.state import CacheState
 from nixl_kv.topology import position
 
-COMPARED = ("num_heads", "head_dim", "d_state", "d_conv", "n_groups", "hidden_size", "conv_section_layout")
+COMPARED = (
+    "num_heads", "head_dim", "d_state", "d_conv", "n_groups", "hidden_size", "conv_section_layout", "conv_dtype",
+    "ssm_dtype", "num_layers",
+)  # fmt: skip
 
 
 class RnnFormatter(StatePlanner):
@@ -35,7 +38,7 @@ class RnnFormatter(StatePlanner):
             )
         differences = [
             f"{name}: ours {getattr(mine, name)!r}, peer {getattr(theirs, name)!r}"
-            for name in (*COMPARED, "conv_dtype", "ssm_dtype", "num_layers")
+            for name in COMPARED
             if getattr(mine, name) != getattr(theirs, name)
         ]
         if differences:
@@ -55,7 +58,7 @@ class RnnFormatter(StatePlanner):
         if request.peer_rnn_slot is None:
             raise IncompatibleStateError("the ctx params carry no RNN state slot")
         mine = rnn_share(gen.rnn, gen.parallel, request.self_rank)
-        check_rnn_pools(request.self_rnn, mine, gen.rnn, "gen", request.self_rnn_slot)
+        check_slot(request.self_rnn, request.self_rnn_slot, "gen")  # the pools were checked at start
         found = {}
         for peer, piece in rnn_pieces(
             gen.rnn, gen.parallel, request.self_rank, ctx.rnn, ctx.parallel, request.peer_dp_rank

@@ -66,9 +66,8 @@ class StandardFormatter(Formatter):
             if len(set(state.model.num_kv_heads_per_layer)) != 1:
                 raise NotSupportedError(f"{side}: layers with different kv head counts are not supported")
             head_duplication(state.parallel, _heads(state))  # raises when heads do not split over TP
-        if (
-            self.attention_type is AttentionType.DEFAULT
-            and self_state.has_indexer_k_cache | peer_state.has_indexer_k_cache
+        if self.attention_type is AttentionType.DEFAULT and (
+            self_state.has_indexer_k_cache or peer_state.has_indexer_k_cache
         ):
             raise NotSupportedError("the indexer-K cache belongs to MLA (DSA) models; this cache is not MLA")
         for planner in self.state_planners:
@@ -108,37 +107,33 @@ class StandardFormatter(Formatter):
             )
             return frozenset(kv).union(*(planner.readers(request, peer_rank) for planner in self.state_planners))
 
-        reads = {}
+        layer_step = request.only_peer is not None or request.layers is not None  # layer-wise: the KV part only
+        reads, state = {}, {}
         for piece in slices:
             theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
-            remote_ids = self._peer_blocks(request, piece.peer_rank, theirs)
-            reads[piece.peer_rank] = self._peer_read(request, piece, mine, theirs, local_blocks, remote_ids)
-        if request.only_peer is not None or request.layers is not None:  # a layer-wise step: the KV part only
-            return [dataclasses.replace(read, expected_readers=len(readers(peer))) for peer, read in reads.items()]
-        extras: dict[int, list[RangeRead]] = {}
-        for piece in slices:
-            theirs = share(ctx.parallel, piece.peer_rank, heads, num_blocks)
-            for extra in self.box_extras(request, piece, mine, theirs, local_blocks):
-                extras.setdefault(piece.peer_rank, []).append(extra)
-        for planner in self.state_planners:
-            for peer, extra in planner.reads(request).items():
-                extras.setdefault(peer, []).append(extra)
-        for peer, more in extras.items():
-            reads.setdefault(peer, PeerRead(peer, 0, 0))
-            reads[peer] = dataclasses.replace(reads[peer], extras=tuple(more))
+            box = Box(piece.layers, piece.heads, piece.blocks)
+            local = _to_local(box, mine, local_blocks)
+            remote = _to_local(box, theirs, self._peer_blocks(request, piece.peer_rank, theirs))
+            reads[piece.peer_rank] = self._peer_read(request, piece, mine, theirs, local, remote)
+            box_state = None if layer_step else self.box_state(request, piece.peer_rank, local, remote)
+            if box_state is not None:
+                state.setdefault(piece.peer_rank, []).append(box_state)
+        for planner in () if layer_step else self.state_planners:
+            for peer, part in planner.reads(request).items():
+                state.setdefault(peer, []).append(part)
+        for peer, parts in state.items():
+            reads[peer] = dataclasses.replace(reads.get(peer, PeerRead(peer, 0, 0)), state=RangeRead.joined(parts))
         plan = [dataclasses.replace(read, expected_readers=len(readers(peer))) for peer, read in reads.items()]
-        return plan + self._unneeded(request, gen_dp_rank, readers)
+        return plan if layer_step else plan + self._unneeded(request, gen_dp_rank, readers)
 
     @property
     def state_planners(self) -> tuple[StatePlanner, ...]:
         """Per-request state moved beside the paged KV (the Mamba state of hybrid models)."""
         return (self._rnn,)
 
-    def box_extras(
-        self, request: ReadRequest, piece: PeerSlice, mine: Share, theirs: Share, local_blocks: np.ndarray
-    ) -> list[RangeRead]:
-        """Reads of paged state that follows the KV box by box (MLA: the indexer-K cache); none here."""
-        return []
+    def box_state(self, request: ReadRequest, peer_rank: int, local: LocalBox, remote: LocalBox) -> RangeRead | None:
+        """The read of paged state that follows the KV box by box (MLA: the indexer-K cache); none here."""
+        return None
 
     @staticmethod
     def first_needed_block(state: CacheState, num_blocks: int, reused_blocks: int) -> int:
@@ -177,16 +172,15 @@ class StandardFormatter(Formatter):
         piece: PeerSlice,
         mine: Share,
         theirs: Share,
-        local_blocks: np.ndarray,
-        remote_blocks: np.ndarray,
+        local: LocalBox,
+        remote: LocalBox,
     ) -> PeerRead:
-        """The KV part; ``expected_readers`` is filled in by ``plan`` once every part is known."""
+        """The KV part, ``local`` and ``remote`` being the slice in each side's terms; ``expected_readers`` is
+        filled in by ``plan`` once every part is known."""
         local_layout = request.self_layout
         remote_layout = request.peer_state.comm.ranks[piece.peer_rank].layout
         box = Box(piece.layers, piece.heads, piece.blocks)
         nbytes = self.box_bytes(request.self_state.cache, box)
-        local = _to_local(box, mine, local_blocks)
-        remote = _to_local(box, theirs, remote_blocks)
         coarse = _whole_segments(local_layout, remote_layout, piece, mine, theirs)  # consecutive blocks merge
         run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
         if coarse or (run and run >= request.direct_min_run_bytes):

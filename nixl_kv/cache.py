@@ -14,7 +14,7 @@ from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, RnnLayout
 from nixl_kv.memory import allocate, on_device, region_of
 from nixl_kv.rnn_cache import RnnStatePools
-from nixl_kv.views import gather, pool_views, scatter
+from nixl_kv.views import gather, scatter
 
 __all__ = ["BlockAllocator", "CacheManager", "PagedKVCache"]
 
@@ -195,34 +195,29 @@ class PagedKVCache:
     # --- element access (tests, fill and verify) ---------------------------------------------------
     def read_tokens(self, request_id: int, num_tokens: int) -> Any:
         """The request's first ``num_tokens`` tokens as ``[layer, kv, head, token, dim]`` (a copy)."""
-        everything = self._box(request_id)
-        with on_device(self.layout.pools[0]):
-            return gather(self.layout, self.pools, *everything)[..., :num_tokens, :]
+        return self._read(self.layout, self.pools, request_id, num_tokens)
 
     def write_tokens(self, request_id: int, values: Any) -> None:
         """Write ``[layer, kv, head, token, dim]`` values into the request's first tokens. Synchronous, also
         on a GPU: a transfer may read the blocks as soon as this returns."""
-        blocks, layers, heads = self._box(request_id)
-        with on_device(self.layout.pools[0]):
-            full = gather(self.layout, self.pools, blocks, layers, heads)
-            full[..., : values.shape[3], :] = values
-            scatter(self.layout, self.pools, blocks, layers, heads, full)
+        self._write(self.layout, self.pools, request_id, values)
 
     def read_indexer(self, request_id: int, num_tokens: int) -> Any:
         """The request's first indexer-K tokens as ``[layer, token, bytes]`` (a copy)."""
-        layout = self.indexer_layout
-        with on_device(layout.pools[0]):
-            data = gather(layout, pool_views(layout), self.block_ids(request_id), range(self.num_layers), range(1))
-            return data[:, 0, 0, :num_tokens]
+        return self._read(self.indexer_layout, self.indexer_pools, request_id, num_tokens)[:, 0, 0]
 
     def write_indexer(self, request_id: int, values: Any) -> None:
         """Write ``[layer, token, bytes]`` into the request's first indexer-K tokens (synchronous)."""
-        layout, blocks, layers = self.indexer_layout, self.block_ids(request_id), range(self.num_layers)
-        with on_device(layout.pools[0]):
-            views = pool_views(layout)
-            full = gather(layout, views, blocks, layers, range(1))
-            full[:, 0, 0, : values.shape[1]] = values
-            scatter(layout, views, blocks, layers, range(1), full)
+        self._write(self.indexer_layout, self.indexer_pools, request_id, values[:, None, None])
 
-    def _box(self, request_id: int) -> tuple[np.ndarray, range, range]:
-        return self.block_ids(request_id), range(self.num_layers), range(self.num_heads)
+    def _read(self, layout: KVLayout, pools: list[Any], request_id: int, num_tokens: int) -> Any:
+        blocks, layers = self.block_ids(request_id), range(self.num_layers)
+        with on_device(layout.pools[0]):
+            return gather(layout, pools, blocks, layers, range(layout.num_heads))[..., :num_tokens, :]
+
+    def _write(self, layout: KVLayout, pools: list[Any], request_id: int, values: Any) -> None:
+        blocks, layers, heads = self.block_ids(request_id), range(self.num_layers), range(layout.num_heads)
+        with on_device(layout.pools[0]):
+            full = gather(layout, pools, blocks, layers, heads)
+            full[..., : values.shape[3], :] = values
+            scatter(layout, pools, blocks, layers, heads, full)

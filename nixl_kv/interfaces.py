@@ -145,10 +145,10 @@ class PeerRead:
 
     Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
     Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
-    ``extras`` are read after the KV (``has_kv`` False: only they come from this peer; the receiver also folds a
-    direct KV part into them, one READ instead of two, and then ``nbytes`` is 0). ``expected_readers``
-    is how many gen ranks read this request from that ctx rank, whatever part; 0 means none does, and this gen
-    rank (the request's first) tells the ctx rank so (``NoReaders``).
+    ``state`` is read after the KV, as one READ of explicit rows (``has_kv`` False: only it comes from this
+    peer; the receiver also folds a direct KV part into it, one READ instead of two, and then ``nbytes`` is 0).
+    ``expected_readers`` is how many gen ranks read this request from that ctx rank, whatever part; 0 means none
+    does, and this gen rank (the request's first) tells the ctx rank so (``NoReaders``).
     """
 
     peer_rank: int
@@ -159,7 +159,7 @@ class PeerRead:
     remote_indices: np.ndarray | None = None
     coarse: bool = False  # the indices address whole segments (``KVLayout.unit_descriptors(coarse=True)``)
     pieces: tuple[Box, ...] = ()
-    extras: tuple[RangeRead, ...] = ()
+    state: RangeRead | None = None  # per-request state beside the paged KV: indexer-K, Mamba state
 
     @property
     def staged(self) -> bool:
@@ -171,7 +171,7 @@ class PeerRead:
 
     @property
     def total_bytes(self) -> int:
-        return self.nbytes + sum(extra.nbytes for extra in self.extras)
+        return self.nbytes + (self.state.nbytes if self.state is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,12 @@ def check_rnn_pools(layout: RnnLayout, held: RnnShare, config: RnnConfig, who: s
             "ssm_itemsize": config.ssm_dtype.itemsize,
         },
     )
-    if slot is not None and not 0 <= slot < layout.num_slots:
-        wrong.append(f"slot {slot} outside its {layout.num_slots} slots")
     if wrong:
         raise IncompatibleStateError(f"{who}: RNN state pools do not match its share: {'; '.join(wrong)}")
+    if slot is not None:
+        check_slot(layout, slot, who)
+
+
+def check_slot(layout: RnnLayout, slot: int, who: str) -> None:
+    if not 0 <= slot < layout.num_slots:
+        raise IncompatibleStateError(f"{who}: RNN state slot {slot} outside its {layout.num_slots} slots")

@@ -43,7 +43,7 @@ SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_
 SLOW_GBPS = {"DRAM": 2.0, "VRAM": 20.0}  # below: a fallback path (TCP gave 0.9 GB/s on DRAM; cuda_ipc ~390 on VRAM)
 STUCK_RETRY_S = 0.1
 MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
-LONG_RUN_BYTES = 1 << 20  # READs of explicit rows are timed for the transport check only if rows average this
+LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only if their rows average this
 
 
 @dataclass
@@ -72,8 +72,7 @@ class _PeerPull:
     rank: RankCommInfo
     plan: PeerRead | None = None
     next_piece: int = 0
-    next_extra: int = 0  # once the KV part is read: the next of ``full.extras``
-    kv_left: bool = True
+    kv_left: bool = True  # the KV part is still to be read; ``full.state`` is read after it
     current: _Transfer | None = None
     slot: StagingSlot | None = None
     retry_at: float = 0.0
@@ -97,8 +96,8 @@ class _PeerPull:
 
     @property
     def final_kv_read(self) -> bool:
-        """The KV READ about to be posted is the last READ from this peer (no extras follow)."""
-        return self.last_step and not self.full.extras
+        """The KV READ about to be posted is the last READ from this peer (no state follows)."""
+        return self.last_step and self.full.state is None
 
     @property
     def last_step(self) -> bool:
@@ -314,12 +313,9 @@ class CacheReceiver:
         return read_request, self._formatter.plan(read_request)
 
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
-        """One READ per peer where the formatter planned more: a direct KV part and the state after it are read
-        together (each READ costs a confirmation round trip), and state parts are joined."""
-        if not read.extras:
+        """A direct KV part and the state after it, read together: each READ costs a confirmation round trip."""
+        if read.state is None or read.local_indices is None:
             return read
-        if read.local_indices is None:
-            return dataclasses.replace(read, extras=(RangeRead.joined(read.extras),))
         local, remote = self._cache.layout, rank.layout
         kv = RangeRead(
             "kv",
@@ -332,7 +328,7 @@ class CacheReceiver:
             ),
         )
         return dataclasses.replace(
-            read, nbytes=0, local_indices=None, remote_indices=None, extras=(RangeRead.joined([kv, *read.extras]),)
+            read, nbytes=0, local_indices=None, remote_indices=None, state=RangeRead.joined([kv, read.state])
         )
 
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
@@ -428,16 +424,15 @@ class CacheReceiver:
             raise TransferError(f"ctx side refused: {peer.rank.agent_name}: {current.verdict}")
         self._by_transfer.pop(current.transfer_id, None)
         peer.current = None
-        if not peer.kv_left:
-            peer.next_extra += 1
-            peer.done = peer.next_extra >= len(peer.full.extras)
+        if not peer.kv_left:  # the state was read: that was the last READ
+            peer.done = True
             return
         peer.next_piece += 1
         if not peer.plan.staged or peer.next_piece == len(peer.plan.pieces):
             peer.plan, peer.next_piece = None, 0
             if peer.last_step:
                 peer.kv_left = False
-                peer.done = not peer.full.extras
+                peer.done = peer.full.state is None
 
     def _measurable(self, peer: _PeerPull, nbytes: int, long_runs: bool) -> int:
         """Bytes to time for the transport check, or 0: only long runs (scattered head slabs are slow on any
@@ -493,20 +488,18 @@ class CacheReceiver:
             return
         transfer = _Transfer(next(self._transfer_ids))
         if not peer.kv_left:
-            extra = peer.full.extras[peer.next_extra]
+            state = peer.full.state
             self._peers.connect(peer.rank)
-            final = peer.next_extra == len(peer.full.extras) - 1
             transfer.handle = self._loop.agent.read_ranges(
                 peer.rank.agent_name,
-                extra.local_rows,
+                state.local_rows,
                 self._cache.layout.pools[0].memory,
-                extra.remote_rows,
+                state.remote_rows,
                 peer.rank.layout.pools[0].memory,
-                self._read_done(incoming, peer, transfer, final=final),
+                self._read_done(incoming, peer, transfer, final=True),
             )
-            transfer.nbytes = self._measurable(
-                peer, extra.nbytes, extra.nbytes >= LONG_RUN_BYTES * len(extra.local_rows)
-            )
+            long_runs = state.nbytes >= LONG_RUN_BYTES * len(state.local_rows)
+            transfer.nbytes = self._measurable(peer, state.nbytes, long_runs)
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         elif not peer.plan.staged:
             coarse = peer.plan.coarse

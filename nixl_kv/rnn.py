@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.state import ConvSectionLayout, ParallelConfig, RnnConfig
-from nixl_kv.topology import holds_request
+from nixl_kv.topology import holds_request, overlap
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,6 @@ def rnn_share(rnn: RnnConfig, parallel: ParallelConfig, rank: int) -> RnnShare:
         xbc = rnn.conv_section_layout is ConvSectionLayout.XBC
         channels = (inner, grouped, grouped) if xbc else (grouped, grouped, inner)
     return RnnShare(rnn_layer_range(rnn, pp_rank), channels, heads)
-
-
-def overlap(a: range, b: range) -> range:
-    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 @dataclass(frozen=True)

@@ -62,20 +62,20 @@ class RnnStatePools:
             pool.fill(0)  # touch every page now
         return pools
 
-    def _layer(self, pools: list[Any], layer: int) -> Any:
-        return pools[layer] if self.per_layer else pools[0][layer]
-
     def read(self, slot: int) -> tuple[Any, Any]:
         """The slot's state as ``[layer, channels, d_conv - 1]`` and ``[layer, heads, head_dim, d_state]``."""
+        xp = array_module(self.memory)
         with on_device(self.layout.conv_pools[0]):
-            conv = [self._layer(self.conv, layer)[slot].copy() for layer in range(self.num_layers)]
-            ssm = [self._layer(self.ssm, layer)[slot].copy() for layer in range(self.num_layers)]
-            xp = array_module(self.memory)
-            return xp.stack(conv), xp.stack(ssm)
+            if self.per_layer:
+                return xp.stack([pool[slot] for pool in self.conv]), xp.stack([pool[slot] for pool in self.ssm])
+            return self.conv[0][:, slot].copy(), self.ssm[0][:, slot].copy()
 
     def write(self, slot: int, conv: Any, ssm: Any) -> None:
         """Synchronous, also on a GPU: a transfer may read the slot as soon as this returns."""
         with on_device(self.layout.conv_pools[0]):
-            for layer in range(self.num_layers):
-                self._layer(self.conv, layer)[slot] = conv[layer]
-                self._layer(self.ssm, layer)[slot] = ssm[layer]
+            for pools, values in ((self.conv, conv), (self.ssm, ssm)):
+                if self.per_layer:  # separate arrays: one copy each
+                    for layer, pool in enumerate(pools):
+                        pool[slot] = values[layer]
+                else:
+                    pools[0][:, slot] = values

@@ -89,7 +89,7 @@ def holds_request(parallel: ParallelConfig, rank: int, dp_rank: int) -> bool:
     return not parallel.enable_attention_dp or position(parallel, rank).tp_rank == dp_rank
 
 
-def _overlap(a: range, b: range) -> range:
+def overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
@@ -120,7 +120,7 @@ def peer_slices(
     fastest, then CP, then PP. Blocks before ``first_block`` are not needed (prefix reuse, sliding window).
     """
     mine = share(reader, reader_rank, num_heads, num_blocks)
-    mine = Share(mine.layers, mine.heads, _overlap(mine.blocks, range(first_block, num_blocks)))
+    mine = Share(mine.layers, mine.heads, overlap(mine.blocks, range(first_block, num_blocks)))
     reader_tp = position(reader, reader_rank).tp_rank
     duplication = 1 if holder.enable_attention_dp else head_duplication(holder, num_heads)
     found = []
@@ -133,9 +133,9 @@ def peer_slices(
         theirs = share(holder, rank, num_heads, num_blocks)
         piece = PeerSlice(
             rank,
-            _overlap(mine.layers, theirs.layers),
-            _overlap(mine.heads, theirs.heads),
-            _overlap(mine.blocks, theirs.blocks),
+            overlap(mine.layers, theirs.layers),
+            overlap(mine.heads, theirs.heads),
+            overlap(mine.blocks, theirs.blocks),
         )
         if len(piece.layers) and len(piece.heads) and len(piece.blocks):
             found.append((where.tp_rank, where.cp_rank, where.pp_rank, piece))

@@ -286,7 +286,7 @@ def test_a_slot_outside_the_ctx_pools_is_refused_before_any_read(hybrid_pair: tu
     received = TransferRequest(2, context_phase_params=forged)
     gen.request_and_receive_sync(received)
     assert received.state is RequestState.TRANS_ERROR
-    assert "ctx rank 0: RNN state pools do not match its share: slot 99 outside its 3 slots" in received.error
+    assert "ctx rank 0: RNN state slot 99 outside its 3 slots" in received.error
     missing = wire.encode(dataclasses.replace(params, rnn_slot=None))
     gen_cache.allocate(3, 20)
     received = TransferRequest(3, context_phase_params=missing)
