@@ -9,8 +9,8 @@ import sys
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.pair import PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
-from nixl_kv.pair_worker import InstanceSpec, RnnSpec
+from nixl_kv.harness.pair import PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
+from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec
 
 
 def _requests(text: str) -> tuple[int, ...]:
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from nixl_kv.bench import main as bench
+        from nixl_kv.harness.bench import main as bench
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)

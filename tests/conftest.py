@@ -11,7 +11,7 @@ import pytest
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
-from nixl_kv.fill import Slice, count_mismatches, expected
+from nixl_kv.harness.fill import Slice, count_mismatches, expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import CacheState, ModelConfig, ParallelConfig

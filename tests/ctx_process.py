@@ -11,7 +11,7 @@ import sys
 import time
 
 from nixl_kv.config import CacheTransceiverConfig
-from nixl_kv.fill import expected
+from nixl_kv.harness.fill import expected
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import TransferRequest
 from nixl_kv.transceiver import CacheTransceiver

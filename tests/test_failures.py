@@ -19,7 +19,7 @@ import pytest
 
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
-from nixl_kv.fill import expected
+from nixl_kv.harness.fill import expected
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nixl_kv.fill import Slice, count_mismatches, expected
+from nixl_kv.harness.fill import Slice, count_mismatches, expected
 
 FULL = Slice(
     layer_start=0, num_layers=4, head_start=0, num_heads=6, kv_factor=2, head_dim=32, token_start=0, num_tokens=40

@@ -11,7 +11,7 @@ import pytest
 from nixl_kv.cache import BlockAllocator, CacheManager, PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
-from nixl_kv.fill import Slice, expected
+from nixl_kv.harness.fill import Slice, expected
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
 
 PER_LAYER_KINDS = [LayoutKind.PER_LAYER_NHD, LayoutKind.PER_LAYER_HND]

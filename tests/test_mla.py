@@ -12,7 +12,7 @@ from formatters.standard import StandardFormatter
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
-from nixl_kv.fill import Slice, count_mismatches, expected, indexer_expected
+from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import AttentionType, CacheState, ModelConfig, ParallelConfig

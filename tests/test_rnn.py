@@ -14,7 +14,7 @@ from nixl_kv import wire
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
-from nixl_kv.fill import Slice, count_mismatches, expected, rnn_expected
+from nixl_kv.harness.fill import Slice, count_mismatches, expected, rnn_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest

@@ -91,7 +91,7 @@ def test_one_gen_serves_two_ctx_instances_with_the_same_request_id(pair_factory)
 
 
 def _values(pair: Pair, seed: int, num_tokens: int) -> np.ndarray:
-    from nixl_kv.fill import expected
+    from nixl_kv.harness.fill import expected
 
     return expected(seed, pair.shape.where(num_tokens), pair.shape.dtype.itemsize)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.pair_worker import InstanceSpec, RnnSpec, spec_json
+from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec, spec_json
 from nixl_kv.rnn import check_split
 from nixl_kv.state import ConvSectionLayout
 from nixl_kv.topology import head_duplication
@@ -187,7 +187,7 @@ class Worker:
 
     def __init__(self, role: str, spec: InstanceSpec) -> None:
         self.role = role
-        command = [sys.executable, "-m", "nixl_kv.pair_worker", role, spec_json(spec)]
+        command = [sys.executable, "-m", "nixl_kv.harness.pair_worker", role, spec_json(spec)]
         if spec.world_size > 1:
             command = [_mpiexec(), "-n", str(spec.world_size), *command]
         self.process = subprocess.Popen(

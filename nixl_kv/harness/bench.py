@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Any
 
-from nixl_kv.baselines import memcpy_peer_gbps, nccl_sendrecv_gbps
-from nixl_kv.pair import PairOptions, ParallelSpec, run_pair
-from nixl_kv.pair_worker import InstanceSpec
+from nixl_kv.harness.baselines import memcpy_peer_gbps, nccl_sendrecv_gbps
+from nixl_kv.harness.pair import PairOptions, ParallelSpec, run_pair
+from nixl_kv.harness.pair_worker import InstanceSpec
 
 LLAMA_8B = InstanceSpec(layers=32, kv_heads=8, head_dim=128, tokens_per_block=32, dtype="bfloat16", num_blocks=1)
 BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2

@@ -25,7 +25,7 @@ from nixl_kv.cache import PagedKVCache
 from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
-from nixl_kv.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
+from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.memory import allocate, array_module, region_of
 from nixl_kv.progress import ContextProgress
