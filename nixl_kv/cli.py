@@ -9,7 +9,7 @@ import sys
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.harness.pair import PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
+from nixl_kv.harness.pair import PLACEMENTS, PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
 from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec
 
 
@@ -91,8 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage slices whose direct runs are shorter (default by pool memory: DRAM 8 KiB, VRAM 1 MiB; "
         "0: direct wherever possible; huge: always staged)",
     )
+    add_load_options(pair)
     pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return parser
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """Options ``pair`` and ``bench`` share: what else the workers do and where their ranks run."""
+    parser.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="every ctx and gen worker process also runs a pure-Python CPU-bound thread, as a server's model "
+        "loop holds the GIL",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="default",
+        help="GPUs (ignored on the CPU): default puts rank r on GPU r, ctx ranks first; split puts every ctx rank "
+        "on GPU 0 and every gen rank on GPU 1",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +165,9 @@ def _pair(args: argparse.Namespace) -> int:
         reuse_prefix_blocks=args.reuse_prefix,
         indexer_dim=args.indexer_dim,
         rnn=args.rnn,
+        busy_thread=args.busy_thread,
     )
-    options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds)
+    options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds, placement=args.placement)
     try:
         report = run_pair(options, progress=lambda text: print(f"[pair] {text}", file=sys.stderr, flush=True))
     except (NotSupportedError, ValueError) as exc:

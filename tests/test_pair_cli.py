@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from nixl_kv.harness.pair import PairReport, RequestResult, percentile
+
 
 def _pair(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -41,7 +43,35 @@ def test_pair_verifies_every_request(dtype: str, requests: str) -> None:
     blocks = sum(-(-int(n) // 32) for n in requests.split(","))
     assert summary["bytes"] == 2 * blocks * 32 * 4 * 2 * 2 * 16 * itemsize  # whole blocks, once each, both rounds
     assert summary["seconds"] > 0 and summary["raw_read_gbps"] > 0
+    assert 0 < summary["latency_p50_us"] <= summary["latency_p99_us"] and summary["first_round_ms"] > 0
     assert "verified" in result.stdout and "[pair] round 2/2" in result.stderr
+
+
+def test_pair_with_a_busy_thread_verifies_every_element_and_reports_latency() -> None:
+    # every worker also spins a pure-Python thread (a server's model loop holding the GIL)
+    common = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
+    result = _pair(*common, "--requests", "1,40,100", "--rounds", "3", "--busy-thread", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["requests"] == summary["verified"] == 9
+    assert summary["failed"] == 0 and summary["mismatched_elements"] == 0 and summary["ctx_errors"] == {}
+    assert summary["bytes"] == 3 * (1 + 3 + 7) * 16 * 2 * 2 * 2 * 16  # whole blocks, once each, three rounds
+    assert 0 < summary["latency_p50_us"] <= summary["latency_p99_us"]
+    assert summary["first_round_ms"] == pytest.approx(1e3 * summary["seconds_per_round"][0])
+    assert "p50" in result.stdout and "p99" in result.stdout
+
+
+def test_latency_percentiles_leave_out_the_first_round() -> None:
+    report = PairReport(round_seconds=[0.5, 0.1], round_bytes=[3, 3])
+    for index, latency in enumerate([0.4, 0.3, 0.2, 0.1, 0.003, None, 0.001, 0.002]):
+        report.results.append(RequestResult(index // 4, index, 16, 1, 0.0, True, 0, None, latency_s=latency))
+    summary = report.summary()
+    assert report.steady_latencies_s() == [0.003, 0.001, 0.002]  # round 1 only; never reported complete: left out
+    assert summary["latency_p50_us"] == pytest.approx(2000) and summary["latency_p99_us"] == pytest.approx(3000)
+    assert summary["first_round_ms"] == pytest.approx(500)
+    one_round = PairReport(results=report.results[:4], round_seconds=[0.5], round_bytes=[4])
+    assert one_round.steady_latencies_s() == [0.4, 0.3, 0.2, 0.1]  # one round: its own requests
+    assert percentile(list(range(1, 101)), 0.99) == 99 and percentile([7.0], 0.5) == 7.0
 
 
 def test_pair_defaults_are_a_real_model_shape() -> None:

@@ -8,13 +8,14 @@ worker has a deadline; a worker that dies or stalls ends the run with an error, 
 from __future__ import annotations
 
 import json
+import math
 import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ WORKER_START_S = 60.0
 RAW_READ_REPEATS = 5
 
 
+PLACEMENTS = ("default", "split")  # GPUs: ranks in order, ctx first; or every ctx rank on GPU 0, every gen rank on 1
 LAYOUTS = {"block_major": "block_major", "nhd": "per_layer_nhd", "hnd": "per_layer_hnd"}
 
 
@@ -125,6 +127,7 @@ class PairOptions:
     requests: tuple[int, ...]
     rounds: int
     step_timeout_s: float = 300.0
+    placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
 
 
 @dataclass
@@ -137,6 +140,7 @@ class RequestResult:
     verified: bool
     mismatched: int
     error: str | None
+    latency_s: float | None = None  # gen side: from before request_and_receive_async to the check reporting it done
 
 
 @dataclass
@@ -157,8 +161,14 @@ class PairReport:
     def ok(self) -> bool:
         return bool(self.results) and self.verified == len(self.results) and not self.ctx_errors
 
+    def steady_latencies_s(self) -> list[float]:
+        """Latencies of the requests of every round but the first (which pays first contact), or of the only one."""
+        first_only = all(r.round == 0 for r in self.results)
+        return [r.latency_s for r in self.results if r.latency_s is not None and (first_only or r.round > 0)]
+
     def summary(self) -> dict[str, Any]:
         total_bytes, seconds = sum(self.round_bytes), sum(self.round_seconds)
+        latencies = self.steady_latencies_s()
         ours = [b / s / 1e9 for b, s in zip(self.round_bytes, self.round_seconds, strict=True) if s > 0]
         raw = [self.raw_bytes / s / 1e9 for s in self.raw_seconds if s > 0]
         per_block = [self.raw_bytes / s / 1e9 for s in self.per_block_seconds if s > 0]
@@ -177,9 +187,18 @@ class PairReport:
             "raw_read_gbps_all": raw,
             "per_block_read_gbps": statistics.median(per_block) if per_block else None,
             "ratio_to_raw": statistics.median(ours) / raw_median if ours and raw_median else None,
+            "latency_p50_us": 1e6 * percentile(latencies, 0.5) if latencies else None,
+            "latency_p99_us": 1e6 * percentile(latencies, 0.99) if latencies else None,
+            "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
             "ok": self.ok,
         }
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest rank: the smallest value that at least ``fraction`` of the values do not exceed (one of them)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 class Worker:
@@ -252,6 +271,10 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     model = replace(options.model, num_slots=len(options.requests))
     ctx_spec = replace(options.ctx.instance(model, blocks), timeout_ms=None)  # a gen-side deadline
     gen_spec = replace(options.gen.instance(model, blocks), gpu_base=ctx_spec.world_size)
+    if options.placement == "split":  # mismatched TP on two GPUs: the link between ctx and gen, not within
+        ctx_spec, gen_spec = replace(ctx_spec, one_gpu=True), replace(gen_spec, gpu_base=1, one_gpu=True)
+    elif options.placement != "default":
+        raise ValueError(f"bad placement {options.placement!r}: one of {', '.join(PLACEMENTS)}")
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
     try:
@@ -337,6 +360,12 @@ def format_table(report: PairReport) -> str:
             f"nixl_kv: {s['gbps']:.2f} GB/s (median over rounds); raw NIXL READ of the same bytes as one "
             f"descriptor: {s['raw_read_gbps']:.2f} GB/s; ratio {s['ratio_to_raw']:.2f}; a naive loop of one READ per "
             f"block: {s['per_block_read_gbps']:.2f} GB/s"
+        )
+    if s["latency_p50_us"] is not None:
+        rounds = "rounds after the first" if len(report.round_seconds) > 1 else "one round"
+        lines.append(
+            f"latency (gen side, request to reported complete, {rounds}): p50 {s['latency_p50_us']:.0f} µs, "
+            f"p99 {s['latency_p99_us']:.0f} µs; first round {s['first_round_ms']:.1f} ms"
         )
     if s["ctx_errors"]:
         lines.append(f"ctx side errors: {s['ctx_errors']}")

@@ -16,6 +16,8 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -86,6 +88,7 @@ class InstanceSpec:
     layout: str = LayoutKind.BLOCK_MAJOR.value
     device: str = "cpu"
     gpu_base: int = 0  # with device cuda, rank r uses GPU (gpu_base + r) % GPU count
+    one_gpu: bool = False  # with device cuda, every rank uses GPU gpu_base % GPU count (placement split)
     lease_ms: int = 60_000
     timeout_ms: int | None = None
     max_tokens_in_buffer: int = 8192
@@ -95,6 +98,7 @@ class InstanceSpec:
     indexer_dim: int = 0  # MLA: also move a DSA indexer-K cache of this index dim (quant block 128)
     rnn: RnnSpec | None = None  # hybrid: also move Mamba state
     num_slots: int = 1  # Mamba state slots per rank (requests in flight)
+    busy_thread: bool = False  # every rank runs a pure-Python CPU-bound thread, as a server's model loop holds the GIL
 
     @classmethod
     def from_json(cls, text: str) -> InstanceSpec:
@@ -187,7 +191,7 @@ class InstanceSpec:
         if self.device != "cuda":
             return 0
         cupy = array_module(MemoryKind.VRAM)
-        device_id = (self.gpu_base + rank) % cupy.cuda.runtime.getDeviceCount()
+        device_id = (self.gpu_base + (0 if self.one_gpu else rank)) % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(device_id).use()
         return device_id
 
@@ -302,15 +306,17 @@ class Instance:
                     gen_id, context_phase_params=base64.b64decode(params), reused_blocks=self.spec.reuse_prefix_blocks
                 )
                 mine.append((request, where))
-        start = time.perf_counter()
+        start, started = time.perf_counter(), {}
         for request, _ in mine:
+            started[request.request_id] = time.perf_counter()
             self.transceiver.request_and_receive_async(request)
-        self._wait_all(len(mine))
+        completed_at = self._wait_all()
         seconds = time.perf_counter() - start
         results = []
         ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, _, _ in items}
         for request, where in mine:
             ok = request.state is RequestState.GENERATION_TRANS_COMPLETE
+            done = completed_at.get(request.request_id)
             mismatched = 0
             if ok:
                 mismatched = self._mismatches(request.request_id, ctx_ids[request.request_id], where)
@@ -319,6 +325,7 @@ class Instance:
                     "request_id": ctx_ids[request.request_id],
                     "bytes": request.transfer_bytes,
                     "seconds": request.transfer_end - request.transfer_start,
+                    "latency_s": None if done is None else done - started[request.request_id],
                     "verified": ok and mismatched == 0,
                     "mismatched": mismatched,
                     "error": request.error,
@@ -363,14 +370,17 @@ class Instance:
             mismatched += int((conv != want_conv).sum()) + int((ssm != want_ssm).sum())
         return mismatched
 
-    def _wait_all(self, count: int) -> None:
-        """Every request to a terminal state: one blocking check, or with in-flight cancellation, finite polls."""
-        if self.spec.timeout_ms is None:
-            self.transceiver.check_gen_transfer_status(None)
-            return
+    def _wait_all(self) -> dict[int, float]:
+        """Every request to a terminal state, polling for one completion at a time (as a server's loop would):
+        when each check that reported a request complete returned, by request id. Every rank of a sync group
+        makes the same checks: they agree on each outcome, so they become idle at the same check."""
+        completed_at: dict[int, float] = {}
         deadline = time.monotonic() + self.spec.lease_ms / 1000 + 5
         while not self.transceiver.check_gen_transfer_complete() and time.monotonic() < deadline:
-            self.transceiver.check_gen_transfer_status(at_least=count)
+            statuses = self.transceiver.check_gen_transfer_status(at_least=1)
+            now = time.perf_counter()
+            completed_at.update(dict.fromkeys(statuses.completed_request_ids, now))
+        return completed_at
 
     def _free(self, request_id: int) -> None:
         self.cache.free(request_id)
@@ -390,6 +400,29 @@ def _prefill_layers(progress: ContextProgress) -> None:
         progress.mark_layer_done(layer)
 
 
+@contextmanager
+def busy_thread(enabled: bool) -> Iterator[None]:
+    """While the block runs, a daemon thread spins in pure Python: a server's forward loop competes with the
+    transceiver's threads for the GIL, and latency figures measured without one flatter it."""
+    if not enabled:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    thread = threading.Thread(target=spin, name="busy-model-loop", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
 def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per request: verified only if every rank that holds part of it verified its part."""
     merged: dict[int, dict[str, Any]] = {}
@@ -401,6 +434,7 @@ def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                     "request_id": r["request_id"],
                     "bytes": 0,
                     "seconds": 0.0,
+                    "latency_s": 0.0,
                     "verified": True,
                     "mismatched": 0,
                     "error": None,
@@ -408,10 +442,16 @@ def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             )
             into["bytes"] += r["bytes"]
             into["seconds"] = max(into["seconds"], r["seconds"])
+            into["latency_s"] = _later(into["latency_s"], r["latency_s"])
             into["verified"] = into["verified"] and r["verified"]
             into["mismatched"] += r["mismatched"]
             into["error"] = into["error"] or r["error"]
     return [merged[rid] for rid in sorted(merged)]
+
+
+def _later(a: float | None, b: float | None) -> float | None:
+    """A request's latency over ranks: the last rank's; unknown if any rank never saw it complete."""
+    return None if a is None or b is None else max(a, b)
 
 
 class RawReadBaseline:
@@ -480,6 +520,11 @@ class RawReadBaseline:
 
 
 def serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
+    with busy_thread(spec.busy_thread):
+        _serve(role, spec, comm)
+
+
+def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
     instance = Instance(role, spec, comm)
     lead = comm.rank == 0
     baseline: RawReadBaseline | None = None
