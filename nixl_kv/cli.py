@@ -13,7 +13,7 @@ from nixl_kv.harness.pair import PLACEMENTS, PairOptions, ParallelSpec, format_t
 from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec
 
 
-def _requests(text: str) -> tuple[int, ...]:
+def token_counts(text: str) -> tuple[int, ...]:
     values = tuple(int(item) for item in text.split(",") if item)
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("requests are positive token counts, comma-separated")
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid model: also move Mamba state, e.g. layers=2,heads=4,head_dim=64,d_state=16,d_conv=4,"
         "n_groups=1,layout=xbc|qkv|none,conv_dtype=float32,ssm_dtype=bfloat16",
     )
-    pair.add_argument("--requests", type=_requests, default=(256, 777, 1500, 3000))
+    pair.add_argument("--requests", type=token_counts, default=(256, 777, 1500, 3000))
     pair.add_argument(
         "--rounds", type=int, default=3, help="send the request list this many times (the first pays first contact)"
     )
@@ -96,13 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_load_options(parser: argparse.ArgumentParser) -> None:
+def add_load_options(parser: argparse.ArgumentParser, busy_scope: str = "") -> None:
     """Options ``pair`` and ``bench`` share: what else the workers do and where their ranks run."""
     parser.add_argument(
         "--busy-thread",
         action="store_true",
         help="every ctx and gen worker process also runs a pure-Python CPU-bound thread, as a server's model "
-        "loop holds the GIL",
+        f"loop holds the GIL{busy_scope}",
     )
     parser.add_argument(
         "--placement",

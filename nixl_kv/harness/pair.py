@@ -284,11 +284,8 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
         for round_index in range(options.rounds):
             _run_round(options, round_index, ctx, gen, report, say)
         say("measuring a raw NIXL READ of the same bytes")
-        model = options.model
-        block_bytes = model.layers * model.kv_factor * model.kv_heads * model.head_dim * model.data_type.itemsize
-        _measure_raw(
-            ctx, gen, max(report.round_bytes), block_bytes * model.tokens_per_block, report, options.step_timeout_s
-        )
+        block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
+        _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
     finally:
         ctx.stop()
         gen.stop()

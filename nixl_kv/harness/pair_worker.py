@@ -118,6 +118,11 @@ class InstanceSpec:
     def data_type(self) -> DataType:
         return DataType(self.dtype)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over the whole model (indexer-K and Mamba state left out)."""
+        return self.layers * self.kv_factor * self.kv_heads * self.head_dim * self.data_type.itemsize
+
     def layers_per_pp_rank(self) -> tuple[int, ...]:
         if self.layer_split:
             return tuple(self.layer_split)
