@@ -20,17 +20,22 @@ _STATUS = {"DONE": TransferStatus.DONE, "PROC": TransferStatus.IN_PROGRESS, "ERR
 class NixlAgent(TransferAgent):
     """A ``nixl_agent`` plus the bookkeeping that lets ``close`` release everything it created.
 
-    Not thread-safe: one thread (the transceiver's progress loop) makes every call.
+    Thread-safe: NIXL's strict synchronization mode serializes calls into the agent, so the caller's thread can
+    post and check READs while the progress loop polls notifications.
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), progress_thread: bool = False) -> None:
         """``progress_thread`` starts NIXL's own busy-polling thread; off by default, because the transceiver's
         progress loop already polls the agent while transfers are pending, and a second spinning thread per
         agent halved throughput on a 2-core machine."""
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            backends=list(backends),
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         self._agent = nixl_agent(name, config)
         self._registrations: list[Any] = []
         self._prepared: list[Any] = []
@@ -53,6 +58,9 @@ class NixlAgent(TransferAgent):
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._remotes.add(name)
         return name
+
+    def connect(self, name: str) -> None:
+        self._call(f"connect to {name}", self._agent.make_connection, name)
 
     def forget_remote(self, name: str) -> None:
         if name in self._remotes:

@@ -36,6 +36,14 @@ class CacheTransceiverConfig:
     time_output_path: a folder for per-rank CSV transfer summaries (both sides); empty for none.
     progress_poll_us: how long the progress loop sleeps between polls while transfers are pending; 0 spins
         (lowest latency, one core busy per instance rank: for hosts with cores to spare, not a 2-core box).
+    agent_progress_thread: start the agent's own progress thread (NIXL's, in C++, spinning): transfers that need
+        the target to progress (UCX over TCP, connection set-up) then advance while this process's Python threads
+        are busy. Costs a core per rank.
+    gil_switch_interval_us: if set, the process's GIL switch interval (``sys.setswitchinterval``) at start-up.
+        Every NIXL call releases the GIL; with a Python thread that computes (a server's model loop), taking it
+        back waits up to the interval, 5 ms by default. 50-200 us keeps a transfer's few calls from waiting
+        milliseconds, at the price of more frequent switches for the busy thread. A process-wide setting: the
+        last transceiver created sets it.
     """
 
     backend: str = "NIXL"
@@ -49,6 +57,8 @@ class CacheTransceiverConfig:
     enable_inflight_cancel: bool = False
     time_output_path: str = ""
     progress_poll_us: int = 50
+    agent_progress_thread: bool = False
+    gil_switch_interval_us: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_tokens_in_buffer", "num_staging_slots", "lease_ms")
@@ -60,6 +70,8 @@ class CacheTransceiverConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
+        if self.gil_switch_interval_us is not None and self.gil_switch_interval_us < 1:
+            raise ValueError("CacheTransceiverConfig.gil_switch_interval_us must be at least 1")
         if self.progress_poll_us < 0:
             raise ValueError("CacheTransceiverConfig.progress_poll_us must not be negative")
         if self.direct_min_run_bytes is not None and self.direct_min_run_bytes < 0:

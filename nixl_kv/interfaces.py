@@ -44,6 +44,9 @@ class TransferAgent(ABC):
     def load_remote(self, metadata: bytes) -> str:
         """Make a peer reachable; returns its agent name. Loading the same peer twice is harmless."""
 
+    def connect(self, name: str) -> None:  # noqa: B027 - optional: agents that connect lazily keep it
+        """Set up the connection to a loaded peer now rather than at the first READ (optional)."""
+
     @abstractmethod
     def forget_remote(self, name: str) -> None: ...
 
@@ -66,7 +69,8 @@ class TransferAgent(ABC):
         remote_indices: np.ndarray,
         notification: bytes,
     ) -> Any:
-        """Post a READ of remote entries into local entries; the peer gets ``notification`` when it is done."""
+        """Post a READ of remote entries into local entries; the peer gets ``notification`` when it is done
+        (none when empty)."""
 
     @abstractmethod
     def read_ranges(

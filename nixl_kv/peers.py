@@ -3,17 +3,22 @@
 Beyond ``max_peers`` prepared lists, the least recently used ones that no active request reads are released;
 beyond ``max_peers`` loaded agents, the least recently used ones that no active request reads and no kept list
 belongs to are forgotten (also agents loaded only to be notified), so a long-lived gen instance serving ctx
-instances that come and go does not accumulate remote agents.
+instances that come and go does not accumulate remote agents. Thread-safe: the caller's thread and the progress
+loop both reach peers. A newly loaded peer is connected at once (UCX would otherwise connect at the first READ).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from nixl_kv.errors import AgentError
+from nixl_kv.holds import board_rows
 from nixl_kv.interfaces import TransferAgent
+from nixl_kv.layout import MemoryKind
 from nixl_kv.state import RankCommInfo
 
 
@@ -24,18 +29,22 @@ class PeerDirectory:
         self._busy_agents = busy_agents
         self._prepared: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
         self._loaded: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()
 
     def connect(self, rank: RankCommInfo) -> None:
         """Make the rank's agent reachable (READs and notifications); its metadata is loaded only once."""
-        if rank.agent_name in self._loaded:
-            self._loaded.move_to_end(rank.agent_name)
-            return
-        loaded = self._agent.load_remote(rank.agent_metadata)
-        if loaded != rank.agent_name:
-            self._agent.forget_remote(loaded)
-            raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
-        self._loaded[loaded] = None
-        self._evict_idle()
+        with self._lock:
+            if rank.agent_name in self._loaded:
+                self._loaded.move_to_end(rank.agent_name)
+                return
+            loaded = self._agent.load_remote(rank.agent_metadata)
+            if loaded != rank.agent_name:
+                self._agent.forget_remote(loaded)
+                raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
+            self._loaded[loaded] = None
+            with contextlib.suppress(AgentError):  # the first READ connects instead
+                self._agent.connect(loaded)
+            self._evict_idle()
 
     @property
     def loaded(self) -> int:
@@ -43,19 +52,27 @@ class PeerDirectory:
 
     def descriptors(self, rank: RankCommInfo, coarse: bool) -> Any:
         """The rank's pool descriptors at the given granularity, prepared on first use."""
-        rows = rank.layout.unit_descriptors(coarse)
-        key = (rank.agent_name, rows.tobytes())
-        prepared = self._prepared.get(key)
-        if prepared is not None:
-            self._prepared.move_to_end(key)
-            return prepared
-        self.connect(rank)
-        prepared = self._agent.prepare(rank.agent_name, rows, rank.layout.pools[0].memory)
-        self._prepared[key] = prepared
-        self._evict_idle()
-        return prepared
+        return self._prepared_for(rank, ("coarse" if coarse else "fine").encode(), rank.layout.pools[0].memory)
 
-    def _evict_idle(self) -> None:
+    def board(self, rank: RankCommInfo) -> Any:
+        """The windows of the rank's hold board, prepared on first use."""
+        return self._prepared_for(rank, b"board", MemoryKind.DRAM)
+
+    def _prepared_for(self, rank: RankCommInfo, what: bytes, memory: MemoryKind) -> Any:
+        key = (rank.agent_name, what)  # agent names carry the instance's uuid: one layout per name
+        with self._lock:
+            prepared = self._prepared.get(key)
+            if prepared is not None:
+                self._prepared.move_to_end(key)
+                return prepared
+            self.connect(rank)
+            rows = board_rows(rank.board) if what == b"board" else rank.layout.unit_descriptors(what == b"coarse")
+            prepared = self._agent.prepare(rank.agent_name, rows, memory)
+            self._prepared[key] = prepared
+            self._evict_idle()
+            return prepared
+
+    def _evict_idle(self) -> None:  # under the lock
         busy = self._busy_agents()
         excess = max(0, len(self._prepared) - self._max_peers)
         for key in [k for k in self._prepared if k[0] not in busy][:excess]:

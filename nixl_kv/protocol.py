@@ -29,6 +29,7 @@ class ReadDone:
     final: bool = True
     failed: bool = False
     reason: str = ""
+    checks_hold: bool = False  # the reader checks the hold board itself: no verdict unless the hold is not posted
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ poisoned.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import logging
 import threading
@@ -24,7 +25,9 @@ import numpy as np
 from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
+from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
+from nixl_kv.holds import LandingRing, hold_token, window_holds
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.peers import PeerDirectory
@@ -32,7 +35,7 @@ from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadV
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
-from nixl_kv.topology import holds_request
+from nixl_kv.topology import holds_request, position
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,11 @@ SLOW_GBPS = {"DRAM": 2.0, "VRAM": 20.0}  # below: a fallback path (TCP gave 0.9 
 STUCK_RETRY_S = 0.1
 MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
 LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only if their rows average this
+DIRECT_BATCH = 64  # direct pulls whose status one progress call checks (oldest first): a tick's cost is bounded
+CALLER_HANDOFF_S = 1e-3  # the loop thread progresses direct pulls the caller's thread has not polled for this long
+SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a caller spins before it sleeps
+SPIN_BASE_S = 300e-6
+MAX_SPIN_S = 5e-3
 
 
 @dataclass
@@ -112,6 +120,7 @@ class _Stuck:
     request_id: int
     handle: Any
     slot: StagingSlot | None
+    landing: int | None = None
     retry_at: float = 0.0
 
 
@@ -125,6 +134,7 @@ class _Incoming:
     future: Future
     read_request: ReadRequest | None = None
     peers: list[_PeerPull] = field(default_factory=list)
+    direct: list[DirectPull] | None = None  # the fast path's pulls (then ``peers`` is empty)
     stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
 
 
@@ -139,6 +149,7 @@ class CacheReceiver:
         staging: CacheTransBufferManager,
         direct_min_run_bytes: int,
         max_peers: int = 256,
+        landing: LandingRing | None = None,
     ) -> None:
         self._direct_min_run_bytes = direct_min_run_bytes
         self._loop = loop
@@ -161,16 +172,26 @@ class CacheReceiver:
         self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
         self._warmed: set[str] = set()
         self._posts = 0
+        self._stepped: dict[RequestKey, _Incoming] = {}  # requests the loop thread advances step by step
+        self._direct_lock = threading.RLock()  # the direct pulls: the caller's thread or the loop thread
+        self._direct_queue: OrderedDict[tuple[RequestKey, int], tuple[_Incoming, DirectPull]] = OrderedDict()
+        self._direct_by_transfer: dict[int, tuple[_Incoming, DirectPull]] = {}
+        self._direct_deadlines: list[tuple[float, RequestKey]] = []
+        self._caller_polled_at = 0.0
+        self._landing = landing
         layout = cache.layout
         memory = layout.pools[0].memory
-        self._metadata, fine, coarse = loop.call(
+        self._spin_gbps = SPIN_GBPS[memory.value]
+        self._metadata, fine, coarse, windows = loop.call(
             lambda: (
                 loop.agent.metadata(),
                 loop.agent.prepare(None, layout.unit_descriptors(), memory),
                 loop.agent.prepare(None, layout.unit_descriptors(coarse=True), memory),
+                loop.agent.prepare(None, landing.rows, landing.region.memory) if landing is not None else None,
             )
         )
         self._local = {False: fine, True: coarse}  # by granularity
+        self._windows = windows
         loop.on_message(ReadVerdict, self._on_verdict)
         loop.on_message(StageGrant, self._on_grant)
         loop.on_message(LayersReady, self._on_layers_ready)
@@ -181,10 +202,13 @@ class CacheReceiver:
         future: Future = Future()
         request.transfer_start = time.monotonic()
         try:
-            self._prepare(request, future)
+            incoming = self._prepare(request, future)
         except NixlKvError as exc:
             request.transfer_end = time.monotonic()
             future.set_exception(exc)
+            return future
+        if incoming.direct is not None:
+            self._start_direct(incoming)  # on this thread: no hop into the loop thread before the READ is posted
         else:
             self._loop.wake()
         return future
@@ -199,7 +223,7 @@ class CacheReceiver:
             return len(self._active)
 
     # --- caller thread: decode, check, plan -------------------------------------------------------------
-    def _prepare(self, request: TransferRequest, future: Future) -> None:
+    def _prepare(self, request: TransferRequest, future: Future) -> _Incoming:
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
@@ -222,20 +246,27 @@ class CacheReceiver:
         request.transfer_deadline = deadline
         incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
         layerwise = params.layerwise
-        incoming.peers = [
-            _PeerPull(
-                self._folded(read, ctx_state.comm.ranks[read.peer_rank]) if not layerwise else read,
-                ctx_state.comm.ranks[read.peer_rank],
-                layerwise=layerwise and read.has_kv,
-            )
-            for read in plan
-        ]
+        ranks = ctx_state.comm.ranks
+        if ctx_state.hold_key and self._landing is not None and direct_eligible(plan, ranks, layerwise):
+            incoming.direct = [self._direct_pull(read, params, ctx_state) for read in plan]
+        else:
+            incoming.peers = [
+                _PeerPull(
+                    self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
+                    ranks[read.peer_rank],
+                    layerwise=layerwise and read.has_kv,
+                )
+                for read in plan
+            ]
         with self._lock:
             if key in self._active or request.request_id in self._by_request:
                 raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
             self._cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
             self._active[key] = incoming
             self._by_request[request.request_id] = key
+            if incoming.direct is None:
+                self._stepped[key] = incoming
+        return incoming
 
     def _local_blocks(self, request_id: int) -> np.ndarray:
         try:
@@ -331,6 +362,211 @@ class CacheReceiver:
             read, nbytes=0, local_indices=None, remote_indices=None, state=RangeRead.joined([kv, read.state])
         )
 
+    # --- the direct path: caller's thread posts, whoever polls first finishes ------------------------------
+    def _direct_pull(self, read: PeerRead, params: ContextPhaseParams, ctx_state: DataTransceiverState) -> DirectPull:
+        rank = ctx_state.comm.ranks[read.peer_rank]
+        cp_rank = position(ctx_state.cache.parallel, read.peer_rank).cp_rank
+        blocks = params.block_ids[min(cp_rank, len(params.block_ids) - 1)]
+        token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
+        folded = self._folded(read, rank)
+        return DirectPull(folded, rank, token, next(self._transfer_ids))
+
+    def _start_direct(self, incoming: _Incoming) -> None:
+        with self._direct_lock:
+            try:
+                for pull in incoming.direct:
+                    self._post_direct(incoming, pull)
+            except Exception as exc:  # noqa: BLE001 - any failure must end the request, here or in the loop
+                self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
+                return
+            if all(pull.step is Step.DONE for pull in incoming.direct):
+                self._end(incoming, None)
+                return
+            heapq.heappush(self._direct_deadlines, (incoming.deadline, incoming.key))
+
+    def _post_direct(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """Step 1: the READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
+        if pull.read.expected_readers == 0:
+            self._peers.connect(pull.rank)
+            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
+            self._loop.agent.notify(pull.rank.agent_name, wire.encode(message))
+            pull.step = Step.DONE
+            return
+        read, agent = pull.read, self._loop.agent
+        if read.local_indices is not None:
+            remote = self._peers.descriptors(pull.rank, read.coarse)
+            pull.handle = agent.read(self._local[read.coarse], read.local_indices, remote, read.remote_indices, b"")
+        else:
+            self._peers.connect(pull.rank)
+            pull.handle = agent.read_ranges(
+                pull.rank.agent_name,
+                read.state.local_rows,
+                self._cache.layout.pools[0].memory,
+                read.state.remote_rows,
+                pull.rank.layout.pools[0].memory,
+                b"",
+            )
+        long_runs = read.coarse or (
+            read.state is not None and read.state.nbytes >= LONG_RUN_BYTES * len(read.state.local_rows)
+        )
+        pull.timed_bytes = self._measurable(pull.rank.agent_name, pull.nbytes, long_runs and len(incoming.direct) == 1)
+        pull.posted_at, pull.posts_before = time.monotonic(), self._posts
+        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+
+    def progress(self, from_caller: bool = True) -> None:
+        """Advance the oldest direct pulls (at most DIRECT_BATCH status checks); a no-op while another thread
+        does it. Status checks call it, so a request completes on the caller's thread."""
+        if not self._direct_lock.acquire(blocking=False):
+            return
+        try:
+            if from_caller:
+                self._caller_polled_at = time.monotonic()
+            for unit, (incoming, pull) in list(itertools.islice(self._direct_queue.items(), DIRECT_BATCH)):
+                if incoming.future.done():
+                    self._direct_queue.pop(unit, None)
+                    continue
+                try:
+                    self._advance_direct(unit, incoming, pull)
+                except NixlKvError as exc:
+                    self._fail_direct(incoming, str(exc))
+                except Exception as exc:  # a bug or an out-of-memory must end the request, never leave it half done
+                    log.exception("request %s failed unexpectedly", incoming.key)
+                    self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._direct_lock.release()
+
+    def spin_budget_s(self) -> float:
+        """How long a waiting caller should poll before it sleeps: about the time the pending READs take."""
+        if not self._direct_queue:
+            return 0.0
+        pending = sum(pull.nbytes for _, pull in itertools.islice(self._direct_queue.values(), DIRECT_BATCH))
+        return min(MAX_SPIN_S, SPIN_BASE_S + pending / (self._spin_gbps * 1e9))
+
+    def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
+        status = self._loop.agent.status(pull.handle)
+        if status is TransferStatus.IN_PROGRESS:
+            return
+        if status is TransferStatus.FAILED:
+            raise TransferError(f"{pull.step.value.split()[0]} from {pull.rank.agent_name} failed")
+        self._loop.agent.release_transfer(pull.handle)
+        pull.handle = None
+        del self._direct_queue[unit]
+        if pull.step is Step.READ:
+            self._transport_check(
+                pull.rank.agent_name, pull.timed_bytes, pull.posted_at, pull.posts_before, time.monotonic()
+            )
+            self._post_check(incoming, pull)
+            return
+        held = window_holds(self._landing.window(pull.landing), pull.token)  # Step.CHECK finished
+        self._landing.give(pull.landing)
+        pull.landing = None
+        if held:
+            self._direct_done(incoming, pull)
+        else:
+            self._await_verdict(incoming, pull)
+
+    def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict."""
+        pull.landing = self._landing.take()
+        if pull.landing is None:
+            done = self._read_done_message(incoming, pull.transfer_id, pull.read.expected_readers, True, False)
+            self._loop.agent.notify(pull.rank.agent_name, done)
+            self._await_verdict(incoming, pull)
+            return
+        notification = self._read_done_message(incoming, pull.transfer_id, pull.read.expected_readers, True, True)
+        pull.handle = self._loop.agent.read(
+            self._windows,
+            np.array([pull.landing], dtype=np.int32),
+            self._peers.board(pull.rank),
+            pull.board_index,
+            notification,
+        )
+        pull.step = Step.CHECK
+        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+
+    def _await_verdict(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """Step 3 (rare): the hold was not on the board; the peer answers the ReadDone with a verdict."""
+        pull.step = Step.VERDICT
+        self._direct_by_transfer[pull.transfer_id] = (incoming, pull)
+        if pull.verdict is not None:
+            self._take_verdict(incoming, pull)
+
+    def _take_verdict(self, incoming: _Incoming, pull: DirectPull) -> None:
+        self._direct_by_transfer.pop(pull.transfer_id, None)
+        if pull.verdict:
+            self._fail_direct(incoming, f"ctx side refused: {pull.rank.agent_name}: {pull.verdict}")
+        else:
+            self._direct_done(incoming, pull)
+
+    def _direct_done(self, incoming: _Incoming, pull: DirectPull) -> None:
+        pull.step = Step.DONE
+        if all(p.step is Step.DONE for p in incoming.direct):
+            self._end(incoming, None)
+
+    def _direct_verdict(self, sender: str, verdict: ReadVerdict) -> bool:
+        """A verdict for a direct pull; False when it is not one."""
+        with self._direct_lock:
+            found = self._direct_by_transfer.get(verdict.transfer_id)
+            if found is None:
+                return False
+            incoming, pull = found
+            if sender != pull.rank.agent_name or verdict.request_id != incoming.key[1]:
+                log.warning("ignored a verdict from %s for transfer %d it does not own", sender, verdict.transfer_id)
+                return True
+            pull.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
+            if pull.step is Step.VERDICT and not incoming.future.done():
+                self._take_verdict(incoming, pull)
+            return True
+
+    def _expire_direct(self, now: float) -> None:
+        with self._direct_lock:
+            while self._direct_deadlines and self._direct_deadlines[0][0] <= now:
+                _, key = heapq.heappop(self._direct_deadlines)
+                with self._lock:
+                    incoming = self._active.get(key)
+                if incoming is not None and incoming.direct is not None and not incoming.future.done():
+                    waiting = [
+                        f"{p.rank.agent_name} ({p.step.value})" for p in incoming.direct if p.step is not Step.DONE
+                    ]
+                    self._fail_direct(incoming, f"deadline passed waiting for {', '.join(waiting)}")
+
+    def _fail_direct(self, incoming: _Incoming, reason: str) -> None:
+        """End a direct request in error: what may still land stays poisoned; ctx peers are told not to wait."""
+        with self._direct_lock:
+            if incoming.future.done():
+                return
+            for pull in incoming.direct:
+                self._direct_queue.pop((incoming.key, pull.read.peer_rank), None)
+                self._direct_by_transfer.pop(pull.transfer_id, None)
+                if pull.handle is not None:
+                    self._abandon(incoming, pull.handle, None, pull.landing, reason, pull.rank.agent_name)
+                    pull.handle, pull.landing = None, None
+                elif pull.landing is not None:
+                    self._landing.give(pull.landing)
+                    pull.landing = None
+                if pull.step is not Step.DONE and pull.read.expected_readers:
+                    self._tell_ctx_failed(incoming, pull.rank, pull.transfer_id, pull.read.expected_readers, reason)
+            self._end(incoming, reason)
+
+    def _abandon(
+        self, incoming: _Incoming, handle: Any, slot: StagingSlot | None, landing: int | None, reason: str, peer: str
+    ) -> None:
+        """Let go of a READ that will not be waited for. UCX cannot cancel an RMA read in flight (releasing its
+        handle is no cancel), so while the READ is still in progress its destination stays poisoned: the pool
+        blocks pinned, the staging slot or landing window held back, until its status leaves in progress."""
+        agent = self._loop.agent
+        if agent.status(handle) is not TransferStatus.IN_PROGRESS and agent.release_transfer(handle):
+            if slot is not None:
+                self._staging.release(slot)
+            if landing is not None:
+                self._landing.give(landing)
+            return
+        self.poisoned[incoming.key] = f"READ from {peer} may still be writing ({reason})"
+        self._stuck.append(_Stuck(incoming.key, incoming.request.request_id, handle, slot, landing))
+        incoming.stuck = True
+        if slot is not None:
+            self._staging.poison(slot, reason)
+
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
         return min([self._staging.slot_bytes, *ctx_slots]) if ctx_slots else 0
@@ -348,8 +584,12 @@ class CacheReceiver:
 
     # --- progress loop ----------------------------------------------------------------------------------
     def _tick(self, now: float) -> bool:
+        neglected = self._direct_queue and now - self._caller_polled_at > CALLER_HANDOFF_S
+        if neglected:  # nobody polls: the loop thread finishes direct pulls (an embedder that checks rarely)
+            self.progress(from_caller=False)
+        self._expire_direct(now)
         with self._lock:
-            active = list(self._active.values())
+            active = list(self._stepped.values())
         for incoming in active:
             try:
                 self._advance(incoming, now)
@@ -359,17 +599,20 @@ class CacheReceiver:
                 log.exception("request %s failed unexpectedly", incoming.key)
                 self._fail(incoming, f"{type(exc).__name__}: {exc}")
         self._retry_stuck(now)
-        return bool(active)
+        return bool(active) or bool(neglected)
 
     def _retry_stuck(self, now: float) -> None:
-        """Release the destinations of uncancellable READs once the agent lets go of them."""
+        """Release the destinations of abandoned READs once their status has left in progress."""
+        agent = self._loop.agent
         for stuck in [s for s in self._stuck if s.retry_at <= now]:
-            if not self._loop.agent.release_transfer(stuck.handle):
+            if agent.status(stuck.handle) is TransferStatus.IN_PROGRESS or not agent.release_transfer(stuck.handle):
                 stuck.retry_at = now + STUCK_RETRY_S
                 continue
             self._stuck.remove(stuck)
             if stuck.slot is not None:
                 self._staging.clear_poison(stuck.slot)
+            if stuck.landing is not None:
+                self._landing.give(stuck.landing)
             if not any(s.key == stuck.key and s.request_id == stuck.request_id for s in self._stuck):
                 self.poisoned.pop(stuck.key, None)
                 self._cache.unpin(stuck.request_id)
@@ -414,7 +657,7 @@ class CacheReceiver:
                 return
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
-            self._transport_check(peer, current, now)
+            self._transport_check(peer.rank.agent_name, current.nbytes, current.posted_at, current.posts_before, now)
             if peer.reading_piece:
                 self._unpack(incoming, peer)
             current.finished = True  # only once the bytes are in place
@@ -434,30 +677,30 @@ class CacheReceiver:
                 peer.kv_left = False
                 peer.done = peer.full.state is None
 
-    def _measurable(self, peer: _PeerPull, nbytes: int, long_runs: bool) -> int:
+    def _measurable(self, agent_name: str, nbytes: int, long_runs: bool) -> int:
         """Bytes to time for the transport check, or 0: only long runs (scattered head slabs are slow on any
         path), only READs alone in flight (concurrent ones share the link), never a peer's first (warm-up)."""
         self._posts += 1
-        first = peer.rank.agent_name not in self._warmed
-        self._warmed.add(peer.rank.agent_name)
-        alone = not any(p.current and p.current.handle for i in self._active.values() for p in i.peers)
+        first = agent_name not in self._warmed
+        self._warmed.add(agent_name)
+        alone = len(self._active) <= 1  # this request only: its READ is alone unless it reads several peers
         return nbytes if long_runs and alone and not first else 0
 
-    def _transport_check(self, peer: _PeerPull, transfer: _Transfer, now: float) -> None:
+    def _transport_check(self, agent_name: str, nbytes: int, posted_at: float, posts_before: int, now: float) -> None:
         """Warn once per peer when large READs crawl: UCX fell back to a host-staged or TCP path."""
         memory = self._cache.layout.pools[0].memory
-        seconds = now - transfer.posted_at
-        shared = self._posts != transfer.posts_before  # another READ started meanwhile: not a clean measurement
-        if transfer.nbytes < SLOW_CHECK_BYTES or seconds <= 0 or shared or peer.rank.agent_name in self.slow_peers:
+        seconds = now - posted_at
+        shared = self._posts != posts_before  # another READ started meanwhile: not a clean measurement
+        if nbytes < SLOW_CHECK_BYTES or seconds <= 0 or shared or agent_name in self.slow_peers:
             return
-        gbps = transfer.nbytes / seconds / 1e9
+        gbps = nbytes / seconds / 1e9
         if gbps < SLOW_GBPS[memory.value]:
-            self.slow_peers[peer.rank.agent_name] = gbps
+            self.slow_peers[agent_name] = gbps
             log.warning(
                 "READs from %s run at %.2f GB/s (%d MiB in %.1f ms) on %s: UCX is likely staging through host memory "
                 "or using TCP; check UCX_TLS (cuda_ipc for NVLink, rc/dc with GPUDirect RDMA across hosts, cma/sm "
                 "within a host)",
-                peer.rank.agent_name, gbps, transfer.nbytes >> 20, seconds * 1e3, memory.value,
+                agent_name, gbps, nbytes >> 20, seconds * 1e3, memory.value,
             )  # fmt: skip
 
     def _next_step(self, incoming: _Incoming, peer: _PeerPull) -> bool:
@@ -499,7 +742,7 @@ class CacheReceiver:
                 self._read_done(incoming, peer, transfer, final=True),
             )
             long_runs = state.nbytes >= LONG_RUN_BYTES * len(state.local_rows)
-            transfer.nbytes = self._measurable(peer, state.nbytes, long_runs)
+            transfer.nbytes = self._measurable(peer.rank.agent_name, state.nbytes, long_runs)
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         elif not peer.plan.staged:
             coarse = peer.plan.coarse
@@ -508,7 +751,7 @@ class CacheReceiver:
             transfer.handle = self._loop.agent.read(
                 self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
             )
-            transfer.nbytes = self._measurable(peer, peer.plan.nbytes, coarse)
+            transfer.nbytes = self._measurable(peer.rank.agent_name, peer.plan.nbytes, coarse)
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
         else:
             if peer.slot is None:
@@ -558,7 +801,7 @@ class CacheReceiver:
         last = peer.final_kv_read and peer.next_piece == len(peer.plan.pieces) - 1
         notification = self._read_done(incoming, peer, current, final=last)
         slot = peer.slot.region
-        current.nbytes = self._measurable(peer, grant.nbytes, True)
+        current.nbytes = self._measurable(peer.rank.agent_name, grant.nbytes, True)
         current.posted_at, current.posts_before = time.monotonic(), self._posts
         current.handle = self._loop.agent.read_ranges(
             peer.rank.agent_name,
@@ -578,22 +821,35 @@ class CacheReceiver:
         peer.slot = None
 
     def _read_done(self, incoming: _Incoming, peer: _PeerPull, transfer: _Transfer, final: bool) -> bytes:
+        return self._read_done_message(incoming, transfer.transfer_id, peer.full.expected_readers, final, False)
+
+    def _read_done_message(
+        self, incoming: _Incoming, transfer_id: int, expected_readers: int, final: bool, checks_hold: bool
+    ) -> bytes:
         return wire.encode(
             ReadDone(
                 ctx_instance_id=incoming.key[0],
                 request_id=incoming.key[1],
-                transfer_id=transfer.transfer_id,
+                transfer_id=transfer_id,
                 reader_metadata=self._metadata,
-                expected_readers=peer.full.expected_readers,
+                expected_readers=expected_readers,
                 final=final,
+                checks_hold=checks_hold,
             )
         )
 
     def _busy_agents(self) -> set[str]:
         with self._lock:
-            return {peer.rank.agent_name for incoming in self._active.values() for peer in incoming.peers}
+            active = list(self._active.values())
+        names = set()
+        for incoming in active:
+            names.update(p.rank.agent_name for p in incoming.peers)
+            names.update(p.rank.agent_name for p in incoming.direct or ())
+        return names
 
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
+        if self._direct_verdict(sender, verdict):
+            return
         transfer = self._owned_transfer(sender, verdict.transfer_id, verdict.request_id)
         if transfer is not None:
             transfer.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
@@ -628,54 +884,55 @@ class CacheReceiver:
             incoming = self._active.get(key) if key else None
         if incoming is None:
             return False
-        self._fail(incoming, "cancelled on the gen side")
+        if incoming.direct is not None:
+            self._fail_direct(incoming, "cancelled on the gen side")
+        else:
+            self._fail(incoming, "cancelled on the gen side")
         return True
 
     def _fail(self, incoming: _Incoming, reason: str) -> None:
-        """End a request in error: cancel READs still in flight and tell the ctx peers not to wait."""
+        """End a request in error: abandon READs still in flight and tell the ctx peers not to wait."""
         for peer in incoming.peers:
             current = peer.current
             if current is not None and current.handle is not None:
-                if not self._loop.agent.release_transfer(current.handle):
-                    self.poisoned[incoming.key] = f"READ from {peer.rank.agent_name} could not be cancelled ({reason})"
-                    self._stuck.append(_Stuck(incoming.key, incoming.request.request_id, current.handle, peer.slot))
-                    incoming.stuck = True
-                    if peer.slot is not None:
-                        self._staging.poison(peer.slot, reason)
-                        peer.slot = None
-                current.handle = None
+                self._abandon(incoming, current.handle, peer.slot, None, reason, peer.rank.agent_name)
+                current.handle, peer.slot = None, None  # the slot was released, or poisoned with the READ
             if peer.slot is not None:
                 self._staging.release(peer.slot)
                 peer.slot = None
             if not peer.done and peer.full.expected_readers:
-                self._tell_ctx_failed(incoming, peer, current, reason)
+                transfer_id = current.transfer_id if current is not None else 0
+                self._tell_ctx_failed(incoming, peer.rank, transfer_id, peer.full.expected_readers, reason)
         self._end(incoming, reason)
 
-    def _tell_ctx_failed(self, incoming: _Incoming, peer: _PeerPull, current: _Transfer | None, reason: str) -> None:
+    def _tell_ctx_failed(
+        self, incoming: _Incoming, rank: RankCommInfo, transfer_id: int, expected_readers: int, reason: str
+    ) -> None:
         """So the ctx rank releases the request now rather than at the end of its lease."""
         try:
-            self._peers.connect(peer.rank)
+            self._peers.connect(rank)
         except AgentError as exc:
-            log.info("could not reach %s to report request %s failed: %s", peer.rank.agent_name, incoming.key, exc)
+            log.info("could not reach %s to report request %s failed: %s", rank.agent_name, incoming.key, exc)
             return
         message = ReadDone(
             ctx_instance_id=incoming.key[0],
             request_id=incoming.key[1],
-            transfer_id=current.transfer_id if current is not None else 0,
+            transfer_id=transfer_id,
             reader_metadata=self._metadata,
-            expected_readers=peer.full.expected_readers,
+            expected_readers=expected_readers,
             final=True,
             failed=True,
             reason=reason[:512],
         )
         try:
-            self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
+            self._loop.agent.notify(rank.agent_name, wire.encode(message))
         except AgentError as exc:
-            log.info("could not tell %s that request %s failed: %s", peer.rank.agent_name, incoming.key, exc)
+            log.info("could not tell %s that request %s failed: %s", rank.agent_name, incoming.key, exc)
 
     def _end(self, incoming: _Incoming, failure: str | None) -> None:
         with self._lock:
             self._active.pop(incoming.key, None)
+            self._stepped.pop(incoming.key, None)
             self._by_request.pop(incoming.request.request_id, None)
         for peer in incoming.peers:
             if peer.current is not None:
@@ -693,4 +950,7 @@ class CacheReceiver:
         with self._lock:
             active = list(self._active.values())
         for incoming in active:
-            self._fail(incoming, "the transceiver was closed")
+            if incoming.direct is not None:
+                self._fail_direct(incoming, "the transceiver was closed")
+            else:
+                self._fail(incoming, "the transceiver was closed")

@@ -9,6 +9,8 @@ slot is freed when the reader's READ of it is done, and poisoned if the request 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -24,6 +26,7 @@ from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
+from nixl_kv.holds import HoldBoard, hold_token
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.progress import ContextProgress
@@ -53,6 +56,7 @@ class _Outgoing:
     progress: ContextProgress | None = None  # layer-wise requests: per-layer readiness
     watchers: set[str] = field(default_factory=set)  # readers told about layer readiness
     announced: int = -1  # the last ready_below sent to the watchers
+    token: int = 0  # its hold token on the board; 0 when not posted (its readers then ask for verdicts)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class SenderContext:
     cache_state: CacheState
     serialized_state: bytes
     lease_ms: int
+    hold_key: bytes = b""
+    board: HoldBoard | None = None
 
 
 class CacheSender:
@@ -89,6 +95,9 @@ class CacheSender:
         # times); READ completions are never parked: a READ before registration may have read unfinished KV
         self._parked: OrderedDict[int, list[tuple[float, str, Any, Callable[[str, Any], None]]]] = OrderedDict()
         self._finished: OrderedDict[int, None] = OrderedDict()
+        self._leases: list[tuple[float, int, int, _Outgoing]] = []  # (deadline, order, request id, entry): a heap
+        self._lease_order = itertools.count()
+        self._watched: dict[int, _Outgoing] = {}  # layer-wise requests with watchers
         loop.on_message(ReadDone, self._on_read_done)
         loop.on_message(StageClaim, self._on_stage_claim)
         loop.on_message(NoReaders, self._on_no_readers)
@@ -129,16 +138,27 @@ class CacheSender:
         num_blocks = -(-request.num_tokens // self._context.cache_state.model.tokens_per_block)
         deadline = request.transfer_start + self._context.lease_ms / 1000
         request.transfer_deadline = deadline
+        entry = _Outgoing(request, blocks, num_blocks, deadline, future, progress=progress)
         with self._lock:
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
                 raise ValueError(f"request {request.request_id} is already being sent")
-            self._outgoing[request.request_id] = _Outgoing(
-                request, blocks, num_blocks, deadline, future, progress=progress
-            )
+            self._outgoing[request.request_id] = entry
+            heapq.heappush(self._leases, (deadline, next(self._lease_order), request.request_id, entry))
+        self._post_hold(entry, rnn_slot)
         request.context_phase_params = wire.encode(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
+
+    def _post_hold(self, entry: _Outgoing, rnn_slot: int | None) -> None:
+        """Show the hold on the board before the params leave this rank: readers check their READs on it."""
+        board = self._context.board
+        if board is None:
+            return
+        request = entry.request
+        token = hold_token(self._context.hold_key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot)
+        if board.post(token):
+            entry.token = token
 
     def cancel(self, request_id: int) -> bool:
         """Stop serving a request: its blocks are released and late readers are refused."""
@@ -250,6 +270,7 @@ class CacheSender:
             if entry is None or entry.progress is None:
                 return
             entry.watchers.add(reader)
+            self._watched[message.request_id] = entry
         self._announce(entry, [reader])
 
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
@@ -285,7 +306,12 @@ class CacheSender:
         if not self._reachable(reader, message.reader_metadata):
             return
         self._free_slot(reader, message.transfer_id)
+        with self._lock:
+            entry = self._outgoing.get(message.request_id)
+        checked = message.checks_hold and entry is not None and entry.token != 0 and not message.failed
         refusal = self._record(reader, message)
+        if checked and message.ctx_instance_id == self._context.instance_id:
+            return  # the reader saw the hold on the board after its READ: it needs no verdict
         verdict = ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
         try:
             self._loop.agent.notify(reader, wire.encode(verdict))
@@ -347,11 +373,17 @@ class CacheSender:
         return True
 
     def _tick(self, now: float) -> bool:
+        """Costs what changed, not what is outstanding: leases come off a heap, announcements from the
+        layer-wise requests someone watches."""
+        entries = []
         with self._lock:
-            expired = [rid for rid, entry in self._outgoing.items() if entry.lease_deadline <= now]
-            entries = [self._outgoing.pop(rid) for rid in expired]
+            while self._leases and self._leases[0][0] <= now:
+                _, _, rid, entry = heapq.heappop(self._leases)
+                if self._outgoing.get(rid) is entry:
+                    entries.append(self._outgoing.pop(rid))
             busy = bool(self._outgoing)
-            layerwise = [e for e in self._outgoing.values() if e.watchers and e.progress.layers_ready != e.announced]
+            self._watched = {rid: e for rid, e in self._watched.items() if self._outgoing.get(rid) is e}
+            layerwise = [e for e in self._watched.values() if e.progress.layers_ready != e.announced]
         for entry in layerwise:
             entry.announced = entry.progress.layers_ready
             self._announce(entry, sorted(entry.watchers))
@@ -375,6 +407,8 @@ class CacheSender:
             if request_id == rid and slot.state is SlotState.LEASED:
                 self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}")
         entry.request.transfer_end = time.monotonic()
+        if entry.token and self._context.board is not None:
+            self._context.board.clear(entry.token)  # before the blocks can be reused
         self._cache.unpin(rid)
         if failure is None:
             entry.future.set_result(None)

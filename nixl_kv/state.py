@@ -165,6 +165,7 @@ class RankCommInfo:
     slot_bytes: int = 0
     indexer: KVLayout | None = None  # the DSA indexer-K cache (MLA), same blocks as the KV cache
     rnn: RnnLayout | None = None  # Mamba conv and SSM state (hybrid models)
+    board: MemoryRegion | None = None  # the rank's hold board (nixl_kv.holds): readers check their READs on it
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ class DataTransceiverState:
     instance_id: str
     cache: CacheState
     comm: CommState
+    hold_key: bytes = field(default=b"", metadata={"max_bytes": 64})  # keys the hold tokens (nixl_kv.holds)
 
     def problems(self) -> list[str]:
         world = self.cache.parallel.world_size

@@ -74,6 +74,8 @@ class SideRules:
     inflight_cancel: bool
     cancel: Callable[[int], bool]
     clock_offset_s: float = 0.0  # this rank's monotonic clock -> rank 0's
+    progress: Callable[[], None] = lambda: None  # advances transfers on the checking thread (no thread hop)
+    spin_budget_s: Callable[[], float] = lambda: 0.0  # how long a waiting check polls before it sleeps
 
 
 @dataclass
@@ -104,8 +106,12 @@ class TransferTracker:
         if blocking and rules.inflight_cancel:
             raise ValueError("in-flight cancellation needs finite status checks: pass at_least=0 to poll")
         wait_s = wait_interval_s(rules.wait_ms, (at_least or 0) > 0)
+        rules.progress()
         if (at_least or 0) > 0:
             self._wait_for_ready(at_least, wait_s)
+        elif blocking and self.futures:  # each transfer ends by its own deadline; _collect enforces it
+            latest = max(request.transfer_deadline for request, _ in self.futures.values())
+            self._wait_for_ready(len(self.futures), latest - time.monotonic() + SAFETY_MARGIN_S)
         self._watch_deadlines()
         ready = [rid for rid, (_, future) in self.futures.items() if future.done()]
         selected = set(self.futures) if blocking else ready_everywhere(rules.select, ready)
@@ -117,13 +123,23 @@ class TransferTracker:
         return self._settle(outcome.completed, outcome.failed, mark_complete)
 
     def _wait_for_ready(self, at_least: int, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
+        """Poll (advancing transfers on this thread) for about as long as the READs in flight take, then sleep
+        on the futures: a request whose READ ends meanwhile completes without waking another thread."""
+        now = time.monotonic()
+        deadline = now + wait_s
+        spin_until = min(deadline, now + self.rules.spin_budget_s())
         while True:
             pending = [future for _, future in self.futures.values() if not future.done()]
-            remaining = deadline - time.monotonic()
-            if len(self.futures) - len(pending) >= at_least or not pending or remaining <= 0:
+            now = time.monotonic()
+            if len(self.futures) - len(pending) >= at_least or not pending or now >= deadline:
                 return
-            wait_futures(pending, timeout=remaining, return_when=FIRST_COMPLETED)
+            if now < spin_until:
+                self.rules.progress()
+                continue
+            wait_futures(
+                pending, timeout=min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000), return_when=FIRST_COMPLETED
+            )
+            spin_until = time.monotonic() + self.rules.spin_budget_s()
 
     def _watch_deadlines(self) -> None:
         limit_ms = self.rules.timeout_ms

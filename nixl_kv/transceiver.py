@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError, WireFormatError
+from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
@@ -75,6 +78,8 @@ class CacheTransceiver:
         self.config = config or CacheTransceiverConfig()
         self._comm = comm or SingleProcessComm()
         self.instance_id: str = self._comm.bcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
+        hold_key: bytes = self._comm.bcast(secrets.token_bytes(KEY_BYTES) if self._comm.rank == 0 else None)
+        self._board, self._landing = HoldBoard(), LandingRing()
         _check_state(cache_state)
         self._cache = cache
         layout = cache.layout
@@ -86,9 +91,20 @@ class CacheTransceiver:
             layout.pools[0].device_id,
         )
         indexer, rnn = _state_pools(cache, cache_state, self._comm.rank)
-        agent = agent_class(self.config.backend)(f"nixl_kv-{self.instance_id}-{self._comm.rank}")
+        if self.config.gil_switch_interval_us is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_us / 1e6)
+        agent = agent_class(self.config.backend)(
+            f"nixl_kv-{self.instance_id}-{self._comm.rank}", progress_thread=self.config.agent_progress_thread
+        )
         agent.register(
-            [*layout.pools, *(indexer.pools if indexer else ()), *(rnn.regions if rnn else ()), self._staging.region]
+            [
+                *layout.pools,
+                *(indexer.pools if indexer else ()),
+                *(rnn.regions if rnn else ()),
+                self._staging.region,
+                self._board.region,
+                self._landing.region,
+            ]
         )
         me = RankCommInfo(
             agent.name,
@@ -98,15 +114,23 @@ class CacheTransceiver:
             slot_bytes=self._staging.slot_bytes,
             indexer=indexer,
             rnn=rnn,
+            board=self._board.region,
         )
-        self.state = DataTransceiverState(self.instance_id, cache_state, CommState(tuple(self._comm.allgather(me))))
+        comm_state = CommState(tuple(self._comm.allgather(me)))
+        self.state = DataTransceiverState(self.instance_id, cache_state, comm_state, hold_key)
         self._serialized_state = wire.encode(self.state)
         self._tp_sync, self._pp_sync, self._gen_sync, self._cp_group = self._groups(cache_state)
         self._loop = ProgressLoop(agent, self.config.progress_poll_us / 1e6)
         self._agent = agent
         formatter = formatter_class(cache_state.attention_type.value)()
         sender_context = SenderContext(
-            self.instance_id, self._comm.rank, cache_state, self._serialized_state, self.config.lease_ms
+            self.instance_id,
+            self._comm.rank,
+            cache_state,
+            self._serialized_state,
+            self.config.lease_ms,
+            hold_key,
+            self._board,
         )
         self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging)
         self._receiver = CacheReceiver(
@@ -117,6 +141,7 @@ class CacheTransceiver:
             formatter,
             self._staging,
             self._direct_min_run_bytes(layout),
+            landing=self._landing,
         )
         self.metrics = TransferMetrics(self.instance_id)
         offset = self._clock_offset()
@@ -137,7 +162,8 @@ class CacheTransceiver:
             SideRules(
                 "gen", self._gen_sync, [self._gen_sync], RequestState.GENERATION_TRANS_COMPLETE,
                 self.config.kv_transfer_poll_interval_ms,
-                cancel=self._receiver.cancel, clock_offset_s=offset, **common,
+                cancel=self._receiver.cancel, clock_offset_s=offset,
+                progress=self._receiver.progress, spin_budget_s=self._receiver.spin_budget_s, **common,
             ),
             self.metrics,
             TransferSummary(self.config.time_output_path, self.instance_id, self._comm.rank, "gen"),

@@ -176,10 +176,17 @@ def hybrid_side(config: RnnConfig, kind: LayoutKind) -> tuple[PagedKVCache, Cach
 
 
 def record_reads(transceiver: CacheTransceiver) -> list[str]:
-    """The READs the transceiver's agent posts from now on: "prepared" (indexed lists) or "ranges" (explicit rows)."""
+    """The READs of cache data the transceiver's agent posts from now on: "prepared" (indexed lists) or "ranges"
+    (explicit rows). The hold checks (READs of the ctx rank's hold board into a landing window) are not data."""
     posted: list[str] = []
-    agent = transceiver._agent
-    agent.read = lambda *args: posted.append("prepared") or type(agent).read(agent, *args)
+    agent, windows = transceiver._agent, transceiver._receiver._windows
+
+    def read(local, *args):  # noqa: ANN001, ANN202
+        if local is not windows:
+            posted.append("prepared")
+        return type(agent).read(agent, local, *args)
+
+    agent.read = read
     agent.read_ranges = lambda *args: posted.append("ranges") or type(agent).read_ranges(agent, *args)
     return posted
 

@@ -1,0 +1,69 @@
+"""The fast path of the gen side: a request whose every part is read directly, posted and finished on the thread
+that asked for it, and checked on the ctx rank's hold board instead of by a verdict round trip.
+
+Per ctx peer the pipeline is three steps, each one posted call and one status poll:
+
+1. READ: the request's KV (and state) from the ctx pools into ours, without a notification.
+2. CHECK: once the READ has finished, READ the request's window of the peer's hold board, with ``ReadDone`` as
+   its notification (the peer releases on it). The hold token there proves the blocks were held throughout.
+3. VERDICT: only when the token is absent (released, expired, or never posted): wait for the peer's answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from nixl_kv.holds import board_slots, window_start
+from nixl_kv.interfaces import PeerRead
+from nixl_kv.state import RankCommInfo
+
+
+class Step(str, Enum):
+    READ = "READ in flight"
+    CHECK = "hold check in flight"
+    VERDICT = "waiting for the ctx verdict"
+    DONE = "done"
+
+
+@dataclass
+class DirectPull:
+    """One gen rank's direct read of one request from one ctx rank."""
+
+    read: PeerRead
+    rank: RankCommInfo
+    token: int
+    transfer_id: int
+    step: Step = Step.READ
+    handle: Any = None
+    landing: int | None = None  # the landing window of the hold check
+    verdict: str | None = None  # None until the peer answers; "" means ok
+    posted_at: float = 0.0
+    posts_before: int = 0  # the receiver's READ count when it was posted (the transport check)
+    timed_bytes: int = 0  # > 0 when this READ measures the transport
+
+    @property
+    def nbytes(self) -> int:
+        return self.read.total_bytes
+
+    @property
+    def board_index(self) -> np.ndarray:
+        return np.array([window_start(self.token, board_slots(self.rank.board))], dtype=np.int32)
+
+
+def direct_eligible(plan: list[PeerRead], ranks: tuple[RankCommInfo, ...], layerwise: bool) -> bool:
+    """The fast path takes requests read in one direct READ per peer from ranks that keep a hold board."""
+    if layerwise:
+        return False
+    for read in plan:
+        if read.expected_readers == 0:
+            continue
+        board = ranks[read.peer_rank].board
+        if read.staged or board is None or board_slots(board) < 1:
+            return False
+        if read.local_indices is None and read.state is None:
+            return False
+    return True

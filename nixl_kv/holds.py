@@ -1,0 +1,121 @@
+"""The hold board: a ctx rank shows, in memory any reader can READ, which requests it still holds.
+
+Why: a gen READ may only complete if it finished while the ctx rank still held the request's blocks (DESIGN
+§5.6). Asking the ctx rank costs a round trip through its Python threads, which a busy server delays by its
+GIL switch interval (5 ms). Instead each ctx rank keeps a registered table of 8-byte *hold tokens*: the token
+of a request is written before its params are handed out and cleared before its blocks are released. A reader
+READs the request's KV, then, once that READ has finished, READs the token's window of the board: if the token
+is still there, the blocks were held for the whole first READ, so the bytes are the request's. No ctx thread
+takes part. Where the token is absent (released, expired, or never posted because its window was full), the
+reader falls back to asking the ctx rank for a verdict.
+
+A token is a keyed hash of what the rank pinned (request id, token count, its block ids, its state slot), so a
+reader that checks it also checks that it read the blocks the ctx pinned for that request, and a reader that
+does not hold the instance key cannot forge it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from nixl_kv.layout import MemoryKind, MemoryRegion
+
+BOARD_SLOTS = 1 << 14  # distinct windows; a token lives in the window starting at ``token % BOARD_SLOTS``
+WINDOW = 8  # tokens per window: one READ of 64 bytes; a token goes to the first free entry of its window
+TOKEN_BYTES = 8
+WINDOW_BYTES = WINDOW * TOKEN_BYTES
+KEY_BYTES = 16
+
+
+def hold_token(key: bytes, request_id: int, num_tokens: int, block_ids: Sequence[int], rnn_slot: int | None) -> int:
+    """The nonzero token of one rank's hold on a request (both sides compute it from what they know)."""
+    blocks = np.ascontiguousarray(block_ids, dtype=np.int64)
+    digest = hashlib.blake2b(key=key, digest_size=TOKEN_BYTES)
+    digest.update(np.array([request_id, num_tokens, -1 if rnn_slot is None else rnn_slot], dtype=np.int64).tobytes())
+    digest.update(blocks.tobytes())
+    return int.from_bytes(digest.digest(), "little") or 1
+
+
+def window_start(token: int, slots: int = BOARD_SLOTS) -> int:
+    return token % slots
+
+
+def board_slots(board: MemoryRegion) -> int:
+    """Windows of a peer's board, from its size (0 for a region too small to be one)."""
+    return max(0, board.nbytes // TOKEN_BYTES - WINDOW)
+
+
+def window_holds(window: np.ndarray, token: int) -> bool:
+    """Whether a READ copy of a token's window shows the token."""
+    return bool((window == np.uint64(token)).any())
+
+
+class HoldBoard:
+    """One ctx rank's board, in DRAM (readable by every reader whatever its pools' memory)."""
+
+    def __init__(self, slots: int = BOARD_SLOTS) -> None:
+        self._entries = np.zeros(slots + WINDOW, dtype=np.uint64)  # the last window wraps by overlapping the end
+        self._slots = slots
+        self._lock = threading.Lock()
+        self.region = MemoryRegion(int(self._entries.ctypes.data), self._entries.nbytes, 0, MemoryKind.DRAM)
+
+    def post(self, token: int) -> bool:
+        """Show the token; False when its window is full (its readers then ask for a verdict)."""
+        start = window_start(token, self._slots)
+        with self._lock:
+            window = self._entries[start : start + WINDOW]
+            free = np.flatnonzero(window == 0)
+            if not len(free):
+                return False
+            window[free[0]] = token
+            return True
+
+    def clear(self, token: int) -> None:
+        """Before the blocks are released: from now on no reader sees the hold."""
+        start = window_start(token, self._slots)
+        with self._lock:
+            window = self._entries[start : start + WINDOW]
+            window[window == np.uint64(token)] = 0
+
+    @property
+    def posted(self) -> int:
+        return int(np.count_nonzero(self._entries))
+
+
+def board_rows(board: MemoryRegion) -> np.ndarray:
+    """Every window of a peer's board as Nx3 descriptor rows (prepared once per peer; window i is row i)."""
+    starts = board.address + np.arange(board_slots(board), dtype=np.uint64) * np.uint64(TOKEN_BYTES)
+    rows = np.empty((len(starts), 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = starts, WINDOW_BYTES, board.device_id
+    return rows
+
+
+class LandingRing:
+    """The reader's side: registered DRAM windows that hold-check READs land in, one per check in flight."""
+
+    def __init__(self, windows: int = 4096) -> None:
+        self._windows = np.zeros((windows, WINDOW), dtype=np.uint64)
+        self._free = collections.deque(range(windows))
+        base = int(self._windows.ctypes.data)
+        self.region = MemoryRegion(base, self._windows.nbytes, 0, MemoryKind.DRAM)
+        self.rows = np.array([[base + i * WINDOW_BYTES, WINDOW_BYTES, 0] for i in range(windows)], dtype=np.uint64)
+
+    def take(self) -> int | None:
+        """A free window, zeroed (a READ that lands nothing must not show a stale token), or None."""
+        try:
+            index = self._free.popleft()
+        except IndexError:
+            return None
+        self._windows[index] = 0
+        return index
+
+    def give(self, index: int) -> None:
+        self._free.append(index)
+
+    def window(self, index: int) -> np.ndarray:
+        return self._windows[index]
