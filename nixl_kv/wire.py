@@ -26,6 +26,7 @@ _DEFAULT_MAX_STR = 1024
 _DEFAULT_MAX_BYTES = 64 << 10
 _DEFAULT_MAX_ITEMS = 1 << 20
 _MAX_DEPTH = 16
+_U64_MAX = (1 << 64) - 1
 
 T = TypeVar("T")
 
@@ -159,22 +160,45 @@ def _tuple_from_plain(value: Any, item_hint: Any, meta: dict[str, Any], path: st
     return tuple(_from_plain(item, item_hint, meta, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
+@dataclasses.dataclass(frozen=True)
+class _FieldRule:
+    name: str
+    hint: Any
+    meta: dict[str, Any]
+    has_default: bool
+    plain_int: bool  # an int field: checked inline (the hot messages are mostly ints)
+
+
+@cache
+def _field_rules(cls: type) -> tuple[dict[str, _FieldRule], ...]:
+    """Each field's rule, worked out once per class rather than once per message."""
+    hints = _hints(cls)
+    rules = {}
+    for spec in dataclasses.fields(cls):
+        has_default = spec.default is not dataclasses.MISSING or spec.default_factory is not dataclasses.MISSING
+        hint = hints[spec.name]
+        rules[spec.name] = _FieldRule(spec.name, hint, dict(spec.metadata), has_default, hint is int)
+    return (rules,)
+
+
 def _dataclass_from_plain(value: Any, cls: type, path: str, depth: int) -> Any:
     if not isinstance(value, dict):
         raise WireFormatError(path, f"expected a map, got {_show(value)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [key for key in value if key not in fields]
+    (rules,) = _field_rules(cls)
+    unknown = [key for key in value if key not in rules]
     if unknown:
         raise WireFormatError(f"{path}.{str(unknown[0])[:64]}", "unknown field")
-    hints = _hints(cls)
     kwargs = {}
-    for name, spec in fields.items():
+    for name, rule in rules.items():
         if name not in value:
-            has_default = spec.default is not dataclasses.MISSING or spec.default_factory is not dataclasses.MISSING
-            if has_default:
+            if rule.has_default:
                 continue
             raise WireFormatError(f"{path}.{name}", "missing")
-        kwargs[name] = _from_plain(value[name], hints[name], dict(spec.metadata), f"{path}.{name}", depth + 1)
+        item = value[name]
+        if rule.plain_int and type(item) is int and rule.meta.get("lo", 0) <= item <= rule.meta.get("hi", _U64_MAX):
+            kwargs[name] = item
+            continue
+        kwargs[name] = _from_plain(item, rule.hint, rule.meta, f"{path}.{name}", depth + 1)
     obj = cls(**kwargs)
     problems = obj.problems() if hasattr(obj, "problems") else []
     if problems:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine: the fast-path figures of issue 10 with `nixl-kv pair` (ctx on GPU 0, gen on GPU 1), one line
+# each: one 128-token request at a time idle, with a busy Python thread in every process, and with it and a
+# 100 us GIL switch interval; then single requests of growing size and a burst of 1000 128-token requests.
+# GB/s are medians of the rounds after the first; the ratio is to a raw one-descriptor NIXL READ of the same run.
+source "$(dirname "$0")/_gpu_env.sh"
+pair() { python3 -m nixl_kv.cli pair --device cuda --json "$@" 2>/dev/null | tail -1 | python3 -c "$SUMMARY"; }
+SUMMARY='
+import json, statistics, sys
+d = json.load(sys.stdin)
+later = d["gbps_per_round"][1:] or d["gbps_per_round"]
+gbps = statistics.median(later)
+raw = d["raw_read_gbps"]
+print(json.dumps({"verified": "%d/%d" % (d["verified"], d["requests"]), "p50_us": d.get("latency_p50_us"),
+    "p99_us": d.get("latency_p99_us"), "first_round_ms": d.get("first_round_ms"), "gbps": round(gbps, 1),
+    "gbps_min_max": [round(min(later), 1), round(max(later), 1)], "raw_gbps": raw and round(raw, 1),
+    "ratio": raw and round(gbps / raw, 3), "per_block_gbps": d.get("per_block_read_gbps")}))'
+echo "latency idle"; pair --requests 128 --rounds 300
+echo "latency busy"; pair --requests 128 --rounds 300 --busy-thread
+echo "latency busy, GIL 100 us"; NIXL_KV_GIL_SWITCH_INTERVAL_US=100 pair --requests 128 --rounds 300 --busy-thread
+for tokens in ${SIZES:-128 512 2048 8192 32768}; do echo "size $tokens"; pair --requests "$tokens" --rounds 6; done
+echo "burst of 1000"; pair --requests "$(python3 -c "print(','.join(['128'] * 1000))")" --rounds 3
