@@ -50,7 +50,7 @@ LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only i
 DIRECT_BATCH = 64  # direct pulls whose status one progress call checks (oldest first): a tick's cost is bounded
 CALLER_HANDOFF_S = 1e-3  # the loop thread progresses direct pulls the caller's thread has not polled for this long
 SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a caller spins before it sleeps
-SPIN_BASE_S = 300e-6
+SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
 
 
@@ -178,6 +178,7 @@ class CacheReceiver:
         self._direct_by_transfer: dict[int, tuple[_Incoming, DirectPull]] = {}
         self._direct_deadlines: list[tuple[float, RequestKey]] = []
         self._caller_polled_at = 0.0
+        self._fixed_cost_s = 0.0  # EWMA of what direct requests took beyond their bytes at the spin rate
         self._landing = landing
         layout = cache.layout
         memory = layout.pools[0].memory
@@ -436,11 +437,19 @@ class CacheReceiver:
             self._direct_lock.release()
 
     def spin_budget_s(self) -> float:
-        """How long a waiting caller should poll before it sleeps: about the time the pending READs take."""
+        """How long a waiting caller should poll before it sleeps: about the time the pending READs take (their
+        bytes at a conservative rate, plus twice the fixed cost recent direct requests showed)."""
         if not self._direct_queue:
             return 0.0
         pending = sum(pull.nbytes for _, pull in itertools.islice(self._direct_queue.values(), DIRECT_BATCH))
-        return min(MAX_SPIN_S, SPIN_BASE_S + pending / (self._spin_gbps * 1e9))
+        fixed = max(SPIN_BASE_S, 2 * self._fixed_cost_s)
+        return min(MAX_SPIN_S, fixed + pending / (self._spin_gbps * 1e9))
+
+    def hand_off(self) -> None:
+        """The caller stops polling (it sleeps on the futures): the loop thread takes the direct pulls over now."""
+        if self._direct_queue:
+            self._caller_polled_at = 0.0
+            self._loop.wake()
 
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
         status = self._loop.agent.status(pull.handle)
@@ -501,6 +510,10 @@ class CacheReceiver:
     def _direct_done(self, incoming: _Incoming, pull: DirectPull) -> None:
         pull.step = Step.DONE
         if all(p.step is Step.DONE for p in incoming.direct):
+            request = incoming.request
+            elapsed = time.monotonic() - request.transfer_start
+            fixed = max(0.0, elapsed - request.transfer_bytes / (self._spin_gbps * 1e9))
+            self._fixed_cost_s += 0.1 * (min(fixed, MAX_SPIN_S) - self._fixed_cost_s)
             self._end(incoming, None)
 
     def _direct_verdict(self, sender: str, verdict: ReadVerdict) -> bool:

@@ -76,6 +76,7 @@ class SideRules:
     clock_offset_s: float = 0.0  # this rank's monotonic clock -> rank 0's
     progress: Callable[[], None] = lambda: None  # advances transfers on the checking thread (no thread hop)
     spin_budget_s: Callable[[], float] = lambda: 0.0  # how long a waiting check polls before it sleeps
+    hand_off: Callable[[], None] = lambda: None  # the check sleeps: another thread must advance transfers
 
 
 @dataclass
@@ -136,9 +137,9 @@ class TransferTracker:
             if now < spin_until:
                 self.rules.progress()
                 continue
-            wait_futures(
-                pending, timeout=min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000), return_when=FIRST_COMPLETED
-            )
+            self.rules.hand_off()
+            slice_s = min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000)
+            wait_futures(pending, timeout=slice_s, return_when=FIRST_COMPLETED)
             spin_until = time.monotonic() + self.rules.spin_budget_s()
 
     def _watch_deadlines(self) -> None:

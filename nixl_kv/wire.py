@@ -27,6 +27,7 @@ _DEFAULT_MAX_BYTES = 64 << 10
 _DEFAULT_MAX_ITEMS = 1 << 20
 _MAX_DEPTH = 16
 _U64_MAX = (1 << 64) - 1
+_NO_DEFAULT = object()
 
 T = TypeVar("T")
 
@@ -76,13 +77,22 @@ def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
         raise WireFormatError(cls.__name__, "nested too deeply") from None
 
 
+@cache
+def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each field; ``_NO_DEFAULT`` for fields without one."""
+    return tuple(
+        (f.name, _NO_DEFAULT if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)
+    )
+
+
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {
-            f.name: _to_plain(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default
-        }
+        plain = {}
+        for name, default in _defaults(type(value)):
+            item = getattr(value, name)
+            if default is _NO_DEFAULT or item != default:
+                plain[name] = _to_plain(item)
+        return plain
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):
