@@ -475,7 +475,9 @@ class CacheReceiver:
             self._await_verdict(incoming, pull)
 
     def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
-        """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict."""
+        """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict.
+        A verdict may overtake the check's completion: from here on it is kept until the check has finished."""
+        self._direct_by_transfer[pull.transfer_id] = (incoming, pull)
         pull.landing = self._landing.take()
         if pull.landing is None:
             done = self._read_done_message(incoming, pull.transfer_id, pull.read.expected_readers, True, False)
@@ -496,7 +498,6 @@ class CacheReceiver:
     def _await_verdict(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 3 (rare): the hold was not on the board; the peer answers the ReadDone with a verdict."""
         pull.step = Step.VERDICT
-        self._direct_by_transfer[pull.transfer_id] = (incoming, pull)
         if pull.verdict is not None:
             self._take_verdict(incoming, pull)
 
@@ -509,6 +510,7 @@ class CacheReceiver:
 
     def _direct_done(self, incoming: _Incoming, pull: DirectPull) -> None:
         pull.step = Step.DONE
+        self._direct_by_transfer.pop(pull.transfer_id, None)
         if all(p.step is Step.DONE for p in incoming.direct):
             request = incoming.request
             elapsed = time.monotonic() - request.transfer_start
