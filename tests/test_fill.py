@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from nixl_kv.harness import fill
 from nixl_kv.harness.fill import Slice, count_mismatches, expected
 
 FULL = Slice(
@@ -27,6 +28,13 @@ def test_expected_is_deterministic(itemsize: int) -> None:
     assert first.shape == (4, 2, 6, 40, 32)
     np.testing.assert_array_equal(first, second)
     assert len(np.unique(first)) >= min(first.size // 2, 250)  # not a constant or a short cycle
+
+
+@pytest.mark.parametrize("rows_per_pass", [1, 2 * 6 * 40 * 3, 2 * 6 * 40 * 4 - 1])
+def test_a_fill_in_several_passes_equals_one_pass(monkeypatch: pytest.MonkeyPatch, rows_per_pass: int) -> None:
+    whole = expected(42, FULL, 2)  # 4 layers in one pass
+    monkeypatch.setattr(fill, "ROWS_PER_PASS", rows_per_pass)  # a layer a pass; 3 then 1; 3 then 1 again
+    np.testing.assert_array_equal(expected(42, FULL, 2), whole)
 
 
 @pytest.mark.parametrize("itemsize", ITEMSIZES)

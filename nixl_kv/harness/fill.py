@@ -36,29 +36,36 @@ class Slice:
     num_tokens: int
 
 
+ROWS_PER_PASS = 1 << 21  # rows (elements without the head dim) hashed at once: bounds the uint64 temporaries
+
+
 def expected(request_seed: int, where: Slice, itemsize: int, xp: ModuleType = np) -> Any:
     """Elements of ``where`` as ``[layer, kv, head, token, dim]`` unsigned integers of ``itemsize`` bytes."""
     out = xp.empty(
         (where.num_layers, where.kv_factor, where.num_heads, where.num_tokens, where.head_dim),
         dtype=np.dtype(f"u{itemsize}"),
     )
-    for local_layer in range(where.num_layers):  # one vectorised pass per layer bounds the temporaries
-        _fill_layer(out[local_layer], request_seed, where.layer_start + local_layer, where, xp)
+    # As many layers a pass as the bound allows: each array operation may release the GIL, and under a busy
+    # thread (``--busy-thread``) every release costs a switch interval, so a small request fills in a few passes.
+    step = max(1, ROWS_PER_PASS // max(1, where.kv_factor * where.num_heads * where.num_tokens))
+    for first in range(0, where.num_layers, step):
+        _fill_layers(out[first : first + step], request_seed, where.layer_start + first, where, xp)
     return out
 
 
-def _fill_layer(out: Any, request_seed: int, layer: int, where: Slice, xp: ModuleType) -> None:
-    """One layer: ``a ^ (b * (2 * dim + 1))`` in the element width, with (a, b) a strong hash of the row.
+def _fill_layers(out: Any, request_seed: int, first_layer: int, where: Slice, xp: ModuleType) -> None:
+    """Consecutive layers: ``a ^ (b * (2 * dim + 1))`` in the element width, with (a, b) a strong hash of the row.
 
     ``b`` is odd, so within a row distinct dims (below half the width's range) always differ; two rows agree
     only if both of their hash halves agree. Two full-size passes, whatever the element width.
     """
     u64 = np.uint64
-    base = u64((request_seed * 0x2545F4914F6CDD1D + layer * _SPREAD[0]) % (1 << 64))
-    kv = xp.arange(where.kv_factor, dtype=u64).reshape(-1, 1, 1) * u64(_SPREAD[1])
-    head = xp.arange(where.head_start, where.head_start + where.num_heads, dtype=u64).reshape(1, -1, 1)
-    token = xp.arange(where.token_start, where.token_start + where.num_tokens, dtype=u64).reshape(1, 1, -1)
-    rows = _mix(kv + head * u64(_SPREAD[2]) + token * u64(_SPREAD[3]) + base)
+    seed = u64(request_seed * 0x2545F4914F6CDD1D % (1 << 64))
+    layer = xp.arange(first_layer, first_layer + out.shape[0], dtype=u64).reshape(-1, 1, 1, 1) * u64(_SPREAD[0])
+    kv = xp.arange(where.kv_factor, dtype=u64).reshape(1, -1, 1, 1) * u64(_SPREAD[1])
+    head = xp.arange(where.head_start, where.head_start + where.num_heads, dtype=u64).reshape(1, 1, -1, 1)
+    token = xp.arange(where.token_start, where.token_start + where.num_tokens, dtype=u64).reshape(1, 1, 1, -1)
+    rows = _mix(kv + head * u64(_SPREAD[2]) + token * u64(_SPREAD[3]) + (layer + seed))  # sums wrap at 2**64
     narrow = out.dtype  # truncating to the element width keeps the low bytes
     low = rows.astype(narrow)[..., None]
     odd = ((rows >> u64(32)) | u64(1)).astype(narrow)[..., None]
