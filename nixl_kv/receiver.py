@@ -178,6 +178,7 @@ class CacheReceiver:
         self._direct_by_transfer: dict[int, tuple[_Incoming, DirectPull]] = {}
         self._direct_deadlines: list[tuple[float, RequestKey]] = []
         self._caller_polled_at = 0.0
+        self._direct_ended = 0  # direct requests ended, ever (progress reports the difference)
         self._fixed_cost_s = 0.0  # EWMA of what direct requests took beyond their bytes at the spin rate
         self._landing = landing
         layout = cache.layout
@@ -414,14 +415,21 @@ class CacheReceiver:
         pull.posted_at, pull.posts_before = time.monotonic(), self._posts
         self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
 
-    def progress(self, from_caller: bool = True) -> None:
-        """Advance the oldest direct pulls (at most DIRECT_BATCH status checks); a no-op while another thread
-        does it. Status checks call it, so a request completes on the caller's thread."""
-        if not self._direct_lock.acquire(blocking=False):
-            return
+    def progress(self, from_caller: bool = True) -> int:
+        """Advance the oldest direct pulls (at most DIRECT_BATCH status checks); returns how many requests ended.
+
+        Status checks call it, so a request completes on the caller's thread. The caller announces itself
+        before it takes the lock, so the loop thread stops polling, and waits for the lock rather than spinning
+        in Python while the loop thread holds it (which would keep that thread from the GIL for a switch
+        interval). The loop thread polls only pulls no caller polls (``_tick``) and never waits."""
+        if from_caller:
+            self._caller_polled_at = time.monotonic()
+            if not self._direct_lock.acquire(timeout=MAX_SPIN_S):
+                return 0
+        elif not self._direct_lock.acquire(blocking=False):
+            return 0
+        ended = self._direct_ended
         try:
-            if from_caller:
-                self._caller_polled_at = time.monotonic()
             for unit, (incoming, pull) in list(itertools.islice(self._direct_queue.items(), DIRECT_BATCH)):
                 if incoming.future.done():
                     self._direct_queue.pop(unit, None)
@@ -433,6 +441,7 @@ class CacheReceiver:
                 except Exception as exc:  # a bug or an out-of-memory must end the request, never leave it half done
                     log.exception("request %s failed unexpectedly", incoming.key)
                     self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
+            return self._direct_ended - ended
         finally:
             self._direct_lock.release()
 
@@ -516,6 +525,7 @@ class CacheReceiver:
             elapsed = time.monotonic() - request.transfer_start
             fixed = max(0.0, elapsed - request.transfer_bytes / (self._spin_gbps * 1e9))
             self._fixed_cost_s += 0.1 * (min(fixed, MAX_SPIN_S) - self._fixed_cost_s)
+            self._direct_ended += 1
             self._end(incoming, None)
 
     def _direct_verdict(self, sender: str, verdict: ReadVerdict) -> bool:

@@ -25,6 +25,7 @@ from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_SLICE_MS = 10
+RESCAN_S = 1e-3  # a spinning check rescans its futures this often (requests ended by other threads)
 SAFETY_MARGIN_S = 5.0
 
 
@@ -74,7 +75,7 @@ class SideRules:
     inflight_cancel: bool
     cancel: Callable[[int], bool]
     clock_offset_s: float = 0.0  # this rank's monotonic clock -> rank 0's
-    progress: Callable[[], None] = lambda: None  # advances transfers on the checking thread (no thread hop)
+    progress: Callable[[], int] = lambda: 0  # advances transfers on the checking thread, returns how many ended
     spin_budget_s: Callable[[], float] = lambda: 0.0  # how long a waiting check polls before it sleeps
     hand_off: Callable[[], None] = lambda: None  # the check sleeps: another thread must advance transfers
 
@@ -135,12 +136,18 @@ class TransferTracker:
             if len(self.futures) - len(pending) >= at_least or not pending or now >= deadline:
                 return
             if now < spin_until:
-                self.rules.progress()
+                self._spin(len(self.futures) - len(pending), at_least, min(spin_until, now + RESCAN_S))
                 continue
             self.rules.hand_off()
             slice_s = min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000)
             wait_futures(pending, timeout=slice_s, return_when=FIRST_COMPLETED)
             spin_until = time.monotonic() + self.rules.spin_budget_s()
+
+    def _spin(self, ready: int, at_least: int, until: float) -> None:
+        """Advance transfers on this thread until ``at_least`` are ready (as counted by the ends it caused) or
+        ``until``; the caller then rescans every future (another thread may have ended some)."""
+        while ready < at_least and time.monotonic() < until:
+            ready += self.rules.progress()
 
     def _watch_deadlines(self) -> None:
         limit_ms = self.rules.timeout_ms
