@@ -15,8 +15,12 @@ print(json.dumps({"verified": "%d/%d" % (d["verified"], d["requests"]), "p50_us"
     "p99_us": d.get("latency_p99_us"), "first_round_ms": d.get("first_round_ms"), "gbps": round(gbps, 1),
     "gbps_min_max": [round(min(later), 1), round(max(later), 1)], "raw_gbps": raw and round(raw, 1),
     "ratio": raw and round(gbps / raw, 3), "per_block_gbps": d.get("per_block_read_gbps")}))'
-echo "latency idle"; pair --requests 128 --rounds 300
-echo "latency busy"; pair --requests 128 --rounds 300 --busy-thread
-echo "latency busy, GIL 100 us"; NIXL_KV_GIL_SWITCH_INTERVAL_US=100 pair --requests 128 --rounds 300 --busy-thread
+ROUNDS="${LATENCY_ROUNDS:-300}"
+echo "latency idle"; pair --requests 128 --rounds "$ROUNDS"
+for gil_us in ${BUSY_GIL_US:-default 100 20}; do
+  echo "latency busy, GIL switch interval $gil_us"
+  if [ "$gil_us" = default ]; then pair --requests 128 --rounds "$ROUNDS" --busy-thread
+  else NIXL_KV_GIL_SWITCH_INTERVAL_US="$gil_us" pair --requests 128 --rounds "$ROUNDS" --busy-thread; fi
+done
 for tokens in ${SIZES:-128 512 2048 8192 32768}; do echo "size $tokens"; pair --requests "$tokens" --rounds 6; done
-echo "burst of 1000"; pair --requests "$(python3 -c "print(','.join(['128'] * 1000))")" --rounds 3
+echo "burst of 1000"; pair --requests "$(python3 -c "print(','.join(['128'] * 1000))")" --rounds "${BURST_ROUNDS:-3}"
