@@ -30,6 +30,7 @@ class ReadDone:
     failed: bool = False
     reason: str = ""
     checks_hold: bool = False  # the reader checks the hold board itself: no verdict unless the hold is not posted
+    hold_token: int = 0  # the token the reader computed from its params: the ctx refuses a READ of other blocks
 
 
 @dataclass(frozen=True)

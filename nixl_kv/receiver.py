@@ -489,11 +489,15 @@ class CacheReceiver:
         self._direct_by_transfer[pull.transfer_id] = (incoming, pull)
         pull.landing = self._landing.take()
         if pull.landing is None:
-            done = self._read_done_message(incoming, pull.transfer_id, pull.read.expected_readers, True, False)
+            done = self._read_done_message(
+                incoming, pull.transfer_id, pull.read.expected_readers, True, False, pull.token
+            )
             self._loop.agent.notify(pull.rank.agent_name, done)
             self._await_verdict(incoming, pull)
             return
-        notification = self._read_done_message(incoming, pull.transfer_id, pull.read.expected_readers, True, True)
+        notification = self._read_done_message(
+            incoming, pull.transfer_id, pull.read.expected_readers, True, True, pull.token
+        )
         pull.handle = self._loop.agent.read(
             self._windows,
             np.array([pull.landing], dtype=np.int32),
@@ -849,7 +853,13 @@ class CacheReceiver:
         return self._read_done_message(incoming, transfer.transfer_id, peer.full.expected_readers, final, False)
 
     def _read_done_message(
-        self, incoming: _Incoming, transfer_id: int, expected_readers: int, final: bool, checks_hold: bool
+        self,
+        incoming: _Incoming,
+        transfer_id: int,
+        expected_readers: int,
+        final: bool,
+        checks_hold: bool,
+        hold_token: int = 0,
     ) -> bytes:
         return wire.encode(
             ReadDone(
@@ -860,6 +870,7 @@ class CacheReceiver:
                 expected_readers=expected_readers,
                 final=final,
                 checks_hold=checks_hold,
+                hold_token=hold_token,
             )
         )
 

@@ -56,7 +56,8 @@ class _Outgoing:
     progress: ContextProgress | None = None  # layer-wise requests: per-layer readiness
     watchers: set[str] = field(default_factory=set)  # readers told about layer readiness
     announced: int = -1  # the last ready_below sent to the watchers
-    token: int = 0  # its hold token on the board; 0 when not posted (its readers then ask for verdicts)
+    token: int = 0  # its hold token (nixl_kv.holds), 0 without a board
+    posted: bool = False  # the token is on the board (else its readers ask for verdicts: its window was full)
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,10 @@ class CacheSender:
         if board is None:
             return
         request = entry.request
-        token = hold_token(self._context.hold_key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot)
-        if board.post(token):
-            entry.token = token
+        entry.token = hold_token(
+            self._context.hold_key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot
+        )
+        entry.posted = board.post(entry.token)
 
     def cancel(self, request_id: int) -> bool:
         """Stop serving a request: its blocks are released and late readers are refused."""
@@ -308,9 +310,11 @@ class CacheSender:
         self._free_slot(reader, message.transfer_id)
         with self._lock:
             entry = self._outgoing.get(message.request_id)
-        checked = message.checks_hold and entry is not None and entry.token != 0 and not message.failed
-        refusal = self._record(reader, message)
-        if checked and message.ctx_instance_id == self._context.instance_id:
+        ours = entry is not None and message.ctx_instance_id == self._context.instance_id
+        wrong = ours and bool(message.hold_token) and message.hold_token != entry.token
+        mismatch = f"the reader's hold token does not match what request {message.request_id} pinned here" * wrong
+        refusal = self._record(reader, message, mismatch)
+        if ours and message.checks_hold and entry.posted and not wrong and not message.failed:
             return  # the reader saw the hold on the board after its READ: it needs no verdict
         verdict = ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
         try:
@@ -328,11 +332,12 @@ class CacheSender:
         else:
             self._staging.release(slot)
 
-    def _record(self, reader: str, message: ReadDone) -> str:
-        """Record one reader's report; returns "" for ok or the reason of refusal."""
+    def _record(self, reader: str, message: ReadDone, refusal: str = "") -> str:
+        """Record one reader's report (``refusal``: a reason to fail it however it reports); returns "" for ok or
+        the reason of refusal."""
         if message.ctx_instance_id != self._context.instance_id:
             return f"this ctx rank belongs to instance {self._context.instance_id}, not {message.ctx_instance_id}"
-        failure = (message.reason or "the reader's READ failed") if message.failed else ""
+        failure = refusal or ((message.reason or "the reader's READ failed") if message.failed else "")
         with self._lock:
             entry = self._outgoing.get(message.request_id)
             if entry is None:
@@ -407,7 +412,7 @@ class CacheSender:
             if request_id == rid and slot.state is SlotState.LEASED:
                 self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}")
         entry.request.transfer_end = time.monotonic()
-        if entry.token and self._context.board is not None:
+        if entry.posted:
             self._context.board.clear(entry.token)  # before the blocks can be reused
         self._cache.unpin(rid)
         if failure is None:

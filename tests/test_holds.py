@@ -1,0 +1,149 @@
+"""The hold board and the direct path's checks: a READ completes without a verdict only when the ctx rank showed
+the request's hold token after the READ ended; every other case asks the ctx rank, and the ctx rank refuses a
+READ of blocks other than the ones it pinned. Real agents throughout."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from nixl_kv import wire
+from nixl_kv.holds import WINDOW, HoldBoard, LandingRing, hold_token, window_holds, window_start
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.state import ContextPhaseParams
+from tests.conftest import Pair
+
+KEY = bytes(range(16))
+
+
+# --- the board on its own -------------------------------------------------------------------------------------
+def test_a_token_shows_from_post_to_clear_and_a_full_window_refuses() -> None:
+    board = HoldBoard(slots=64)
+    start = 5
+    tokens = [start + 64 * i for i in range(WINDOW + 1)]  # all in the window starting at 5
+    assert all(window_start(t, 64) == start for t in tokens)
+    assert all(board.post(t) for t in tokens[:WINDOW])
+    assert not board.post(tokens[WINDOW])  # the window is full: that request's readers ask for verdicts
+    window = board._entries[start : start + WINDOW]
+    assert sorted(int(v) for v in window) == sorted(tokens[:WINDOW])
+    board.clear(tokens[3])
+    assert not window_holds(board._entries[start : start + WINDOW], tokens[3])
+    assert window_holds(board._entries[start : start + WINDOW], tokens[4])
+    assert board.post(tokens[WINDOW])  # the freed entry is reused
+    assert board.posted == WINDOW
+
+
+def test_the_last_window_overlaps_the_end_of_the_table() -> None:
+    board = HoldBoard(slots=16)
+    token = 15 + 16 * 7  # window 15: entries 15..22 of a 16 + 8 entry table
+    assert all(board.post(token + 16 * 100 * i) for i in range(WINDOW))
+    assert board._entries[15 : 15 + WINDOW].tolist() == [token + 16 * 100 * i for i in range(WINDOW)]
+    assert len(board._entries) == 16 + WINDOW
+
+
+def test_a_token_depends_on_every_input_and_the_key() -> None:
+    base = hold_token(KEY, 7, 100, [3, 4, 5, 6], None)
+    assert base == hold_token(KEY, 7, 100, np.array([3, 4, 5, 6]), None) != 0
+    variants = [
+        hold_token(bytes(16), 7, 100, [3, 4, 5, 6], None),
+        hold_token(KEY, 8, 100, [3, 4, 5, 6], None),
+        hold_token(KEY, 7, 101, [3, 4, 5, 6], None),
+        hold_token(KEY, 7, 100, [3, 4, 6, 5], None),
+        hold_token(KEY, 7, 100, [3, 4, 5, 6], 0),
+    ]
+    assert len({base, *variants}) == 6
+
+
+def test_a_landing_window_is_zeroed_when_taken() -> None:
+    ring = LandingRing(windows=2)
+    first = ring.take()
+    ring.window(first)[:] = 99
+    ring.give(first)
+    second, third = ring.take(), ring.take()
+    assert ring.take() is None
+    assert {second, third} == {0, 1} and not ring.window(first).any()
+
+
+# --- through the transceivers ---------------------------------------------------------------------------------
+def _poll(pair: Pair, request: TransferRequest, timeout_s: float = 10.0) -> RequestState:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        statuses = pair.gen.transceiver.check_gen_transfer_status(at_least=1)
+        if request.request_id in statuses.completed_request_ids | statuses.error_request_ids:
+            return request.state
+    return request.state
+
+
+def _verdicts(pair: Pair) -> list[int]:
+    """Transfer ids of the direct pulls that waited for a verdict from now on."""
+    receiver = pair.gen.transceiver._receiver
+    seen: list[int] = []
+    original = receiver._await_verdict
+
+    def spy(incoming, pull) -> None:  # noqa: ANN001
+        seen.append(pull.transfer_id)
+        original(incoming, pull)
+
+    receiver._await_verdict = spy
+    return seen
+
+
+def test_the_common_case_needs_no_verdict(pair_factory) -> None:
+    pair = pair_factory()
+    verdicts = _verdicts(pair)
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE
+    assert pair.mismatches(5, 1, 40) == 0 and verdicts == []
+    assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+    assert pair.ctx.transceiver._board.posted == 0  # cleared before the blocks were released
+
+
+@pytest.mark.parametrize("why", ["ctx window full", "no landing window"])
+def test_without_a_hold_check_the_ctx_verdict_decides(pair_factory, why: str) -> None:
+    pair = pair_factory()
+    verdicts = _verdicts(pair)
+    if why == "ctx window full":
+        pair.ctx.transceiver._board.post = lambda token: False
+    else:
+        ring = pair.gen.transceiver._landing
+        taken = [index for index in iter(ring.take, None)]
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert pair.mismatches(5, 1, 40) == 0 and len(verdicts) == 1
+    assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+    if why == "no landing window":
+        for index in taken:
+            ring.give(index)
+
+
+def test_params_naming_other_pinned_blocks_are_refused(pair_factory) -> None:
+    """Block ids of another live request in the params: the READ lands the wrong bytes, but the hold token the
+    reader computes is not on the board and the ctx rank refuses it: the request fails, never completes."""
+    pair = pair_factory()
+    victim, other = pair.prefill(1, 40), pair.prefill(2, 40)
+    params = wire.decode(victim.context_phase_params, ContextPhaseParams)
+    other_ids = wire.decode(other.context_phase_params, ContextPhaseParams).block_ids
+    forged = wire.encode(ContextPhaseParams(**{**params.__dict__, "block_ids": other_ids}))
+    pair.gen.cache.allocate(5, 40)
+    request = TransferRequest(5, context_phase_params=forged)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.TRANS_ERROR
+    assert "does not match what request 1 pinned" in request.error
+
+
+def test_a_read_after_the_lease_ended_fails_even_when_the_blocks_hold_new_bytes(pair_factory) -> None:
+    pair = pair_factory(ctx_config={"lease_ms": 100})
+    ctx_request = pair.prefill(1, 40)
+    time.sleep(0.3)  # the lease ends: the token is cleared and the blocks go back to the pool
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None)
+    assert statuses.error_request_ids == {1}
+    pair.ctx.cache.free(1)
+    pair.prefill(2, 40, seed=77)  # the same blocks, new bytes (the allocator hands the freed blocks out again)
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.TRANS_ERROR
+    assert "not pinned here" in request.error
