@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         "0: direct wherever possible; huge: always staged)",
     )
     add_load_options(pair)
+    pair.add_argument(
+        "--connect-ahead",
+        action="store_true",
+        help="the gen instance meets the ctx instance (CacheTransceiver.connect_to) before the first request",
+    )
     pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return parser
 
@@ -167,7 +172,15 @@ def _pair(args: argparse.Namespace) -> int:
         rnn=args.rnn,
         busy_thread=args.busy_thread,
     )
-    options = PairOptions(args.ctx, args.gen, model, args.requests, args.rounds, placement=args.placement)
+    options = PairOptions(
+        args.ctx,
+        args.gen,
+        model,
+        args.requests,
+        args.rounds,
+        placement=args.placement,
+        connect_ahead=args.connect_ahead,
+    )
     try:
         report = run_pair(options, progress=lambda text: print(f"[pair] {text}", file=sys.stderr, flush=True))
     except (NotSupportedError, ValueError) as exc:

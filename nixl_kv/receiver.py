@@ -215,6 +215,16 @@ class CacheReceiver:
             self._loop.wake()
         return future
 
+    def connect_to(self, serialized_ctx_state: bytes) -> None:
+        """Load, connect and prepare every rank of a ctx instance now (see ``CacheTransceiver.connect_to``)."""
+        ctx_state = self._decode_state(serialized_ctx_state)
+        self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
+        for rank in ctx_state.comm.ranks:
+            for coarse in (False, True):
+                self._peers.descriptors(rank, coarse)
+            if rank.board is not None:
+                self._peers.board(rank)
+
     def cancel(self, request_id: int) -> bool:
         """Cancel a transfer that has not ended; False when there is none."""
         return bool(self._loop.call(lambda: self._cancel(request_id)))

@@ -254,6 +254,13 @@ class CacheTransceiver:
         """Like the ctx check; completed requests move to GENERATION_TRANS_COMPLETE."""
         return self._gen.check(at_least, True)
 
+    def connect_to(self, serialized_ctx_state: bytes) -> None:
+        """Meet a ctx instance before its first request (when the router learns of it, from the ctx side's
+        ``get_serialized_data_transceiver_state``): its ranks' metadata is loaded, the connections set up and
+        their descriptor lists prepared, so that first request pays none of it. Optional: without it the first
+        request does it."""
+        self._receiver.connect_to(serialized_ctx_state)
+
     def check_gen_transfer_complete(self) -> bool:
         """True when no gen transfer is in flight or awaiting agreement."""
         return self._gen.idle

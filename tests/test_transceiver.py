@@ -10,6 +10,7 @@ import pytest
 
 from nixl_kv import wire
 from nixl_kv.dtypes import DataType
+from nixl_kv.errors import WireFormatError
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
@@ -252,3 +253,18 @@ def test_serialized_state_decodes_to_the_instance_state(pair_factory) -> None:
     data = pair.ctx.transceiver.get_serialized_data_transceiver_state()
     assert wire.decode(data, DataTransceiverState) == pair.ctx.transceiver.state
     assert not pair.ctx.transceiver.has_poisoned_transfer_buffer()
+
+
+def test_connect_to_meets_a_ctx_instance_before_its_first_request(pair_factory) -> None:
+    pair = pair_factory()
+    agent = pair.gen.transceiver._agent
+    before = agent.live_handles
+    pair.gen.transceiver.connect_to(pair.ctx.transceiver.get_serialized_data_transceiver_state())
+    after = agent.live_handles
+    assert after["remotes"] == before["remotes"] + 1
+    assert after["prepared"] == before["prepared"] + 3  # the peer's fine and coarse pool lists and its board
+    received = _receive(pair, 5, pair.prefill(1, 40))
+    assert received.state is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0
+    assert agent.live_handles == after  # the request found everything ready
+    with pytest.raises(WireFormatError):
+        pair.gen.transceiver.connect_to(b"\x93not a state")

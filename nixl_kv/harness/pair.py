@@ -128,6 +128,7 @@ class PairOptions:
     rounds: int
     step_timeout_s: float = 300.0
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
+    connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
 
 
 @dataclass
@@ -278,9 +279,13 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     report = PairReport()
     ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
     try:
-        ctx_ranks = ctx.expect("ready", WORKER_START_S)["ranks"]
+        ctx_ready = ctx.expect("ready", WORKER_START_S)
         gen_ranks = gen.expect("ready", WORKER_START_S)["ranks"]
-        say(f"ctx instance ({ctx_ranks} ranks) and gen instance ({gen_ranks} ranks) are up")
+        say(f"ctx instance ({ctx_ready['ranks']} ranks) and gen instance ({gen_ranks} ranks) are up")
+        if options.connect_ahead:
+            gen.send(op="connect", state=ctx_ready["state"])
+            gen.expect("connected", options.step_timeout_s)
+            say("the gen instance met the ctx instance ahead of the first request")
         for round_index in range(options.rounds):
             _run_round(options, round_index, ctx, gen, report, say)
         say("measuring a raw NIXL READ of the same bytes")

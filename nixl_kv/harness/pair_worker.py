@@ -534,7 +534,8 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
     lead = comm.rank == 0
     baseline: RawReadBaseline | None = None
     if lead:
-        emit(op="ready", ranks=comm.size)
+        state = instance.transceiver.get_serialized_data_transceiver_state()
+        emit(op="ready", ranks=comm.size, state=base64.b64encode(state).decode())
     try:
         while True:
             command = comm.bcast(json.loads(sys.stdin.readline() or '{"op": "quit"}') if lead else None)
@@ -545,6 +546,11 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                     for request_id, blob in _first_per_request(params):
                         emit(op="params", request_id=request_id, params=blob)
                     emit(op="sent")
+            elif op == "connect":  # the router introduces the ctx instance before its first request
+                instance.transceiver.connect_to(base64.b64decode(command["state"]))
+                comm.barrier()
+                if lead:
+                    emit(op="connected")
             elif op == "settle":
                 errors = comm.allgather(instance.settle())
                 if lead:
