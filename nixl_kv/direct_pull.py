@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nixl_kv.holds import board_slots, window_start
+from nixl_kv.holds import BOARD_SLOTS, board_slots, window_start
 from nixl_kv.interfaces import PeerRead
 from nixl_kv.state import RankCommInfo
 
@@ -55,14 +55,15 @@ class DirectPull:
 
 
 def direct_eligible(plan: list[PeerRead], ranks: tuple[RankCommInfo, ...], layerwise: bool) -> bool:
-    """The fast path takes requests read in one direct READ per peer from ranks that keep a hold board."""
+    """The fast path takes requests read in one direct READ per peer from ranks that keep a hold board of the
+    protocol's size (a peer's state is untrusted: a board of another size is not read, whatever it claims)."""
     if layerwise:
         return False
     for read in plan:
         if read.expected_readers == 0:
             continue
         board = ranks[read.peer_rank].board
-        if read.staged or board is None or board_slots(board) < 1:
+        if read.staged or board is None or board_slots(board) != BOARD_SLOTS:
             return False
         if read.local_indices is None and read.state is None:
             return False

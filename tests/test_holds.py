@@ -4,6 +4,7 @@ READ of blocks other than the ones it pinned. Real agents throughout."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -147,3 +148,25 @@ def test_a_read_after_the_lease_ended_fails_even_when_the_blocks_hold_new_bytes(
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.TRANS_ERROR
     assert "not pinned here" in request.error
+
+
+def test_a_peer_claiming_a_board_of_another_size_is_read_the_slow_way(pair_factory) -> None:
+    """A ctx state is untrusted: a board that is not the protocol's size is never prepared or read (a huge one
+    would otherwise cost a descriptor per claimed window); the request takes the verdict path and verifies."""
+    pair = pair_factory()
+    ctx = pair.ctx.transceiver
+    ranks = ctx.state.comm.ranks
+    huge = dataclasses.replace(ranks[0].board, nbytes=1 << 40)
+    state = dataclasses.replace(
+        ctx.state, comm=dataclasses.replace(ctx.state.comm, ranks=(dataclasses.replace(ranks[0], board=huge),))
+    )
+    ctx_request = pair.prefill(1, 40)
+    params = wire.decode(ctx_request.context_phase_params, ContextPhaseParams)
+    forged = wire.encode(dataclasses.replace(params, ctx_state=wire.encode(state)))
+    pair.gen.cache.allocate(5, 40)
+    request = TransferRequest(5, context_phase_params=forged)
+    prepared_before = pair.gen.transceiver._agent.live_handles["prepared"]
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert pair.mismatches(5, 1, 40) == 0
+    assert pair.gen.transceiver._agent.live_handles["prepared"] == prepared_before + 1  # the pool list, no board
