@@ -195,7 +195,12 @@ class StandardFormatter(Formatter):
                 coarse=coarse,
             )
         pieces = self._pieces(request, box)
-        return PeerRead(piece.peer_rank, 0, nbytes, layers=piece.layers, pieces=pieces)
+        # whole ctx segments (ctx TP >= gen TP and ctx PP >= gen PP, or only the gen layout differs): gathered
+        whole = remote_layout.kind is LayoutKind.BLOCK_MAJOR and (piece.layers, piece.heads) == (
+            theirs.layers,
+            theirs.heads,
+        )
+        return PeerRead(piece.peer_rank, 0, nbytes, layers=piece.layers, pieces=pieces, gathered=whole)
 
     def _pieces(self, request: ReadRequest, box: Box) -> tuple[Box, ...]:
         per_block = self.box_bytes(request.self_state.cache, Box(box.layers, box.heads, range(1)))

@@ -3,7 +3,9 @@ that asked for it, and checked on the ctx rank's hold board instead of by a verd
 
 Per ctx peer the pipeline is three steps, each one posted call and one status poll:
 
-1. READ: the request's KV (and state) from the ctx pools into ours, without a notification.
+1. READ: the request's KV (and state) from the ctx pools into ours, without a notification. Gathered reads
+   (whole block-major ctx segments of a slice our layout cannot take directly) READ piece by piece into a
+   staging slot of ours and are unpacked here after each (SLOT: waiting for a free one).
 2. CHECK: once the READ has finished, READ the request's window of the peer's hold board, with ``ReadDone`` as
    its notification (the peer releases on it). The hold token there proves the blocks were held throughout.
 3. VERDICT: only when the token is absent (released, expired, or never posted): wait for the peer's answer.
@@ -23,6 +25,7 @@ from nixl_kv.state import RankCommInfo
 
 
 class Step(str, Enum):
+    SLOT = "waiting for a staging slot"
     READ = "READ in flight"
     CHECK = "hold check in flight"
     VERDICT = "waiting for the ctx verdict"
@@ -42,6 +45,9 @@ class DirectPull:
     landing: int | None = None  # the landing window of the hold check
     verdict: str | None = None  # None until the peer answers; "" means ok
     posted_at: float = 0.0
+    peer_blocks: tuple[int, ...] = ()  # the ctx rank's block ids of the request (gathered reads)
+    piece: int = 0  # the gathered piece being read
+    slot: Any = None  # the staging slot gathered pieces land in
     posts_before: int = 0  # the receiver's READ count when it was posted (the transport check)
     timed_bytes: int = 0  # > 0 when this READ measures the transport
 
@@ -63,8 +69,10 @@ def direct_eligible(plan: list[PeerRead], ranks: tuple[RankCommInfo, ...], layer
         if read.expected_readers == 0:
             continue
         board = ranks[read.peer_rank].board
-        if read.staged or board is None or board_slots(board) != BOARD_SLOTS:
+        if board is None or board_slots(board) != BOARD_SLOTS:
             return False
-        if read.local_indices is None and read.state is None:
+        if read.staged and not (read.gathered and read.state is None):
+            return False
+        if read.local_indices is None and read.state is None and not read.staged:
             return False
     return True

@@ -149,6 +149,8 @@ class PeerRead:
 
     Direct mode: one READ of remote descriptor entries into local ones (``local_indices``/``remote_indices``).
     Staged mode: ``pieces``, each packed by the ctx rank into a staging slot, read as one run, then unpacked.
+    ``gathered`` staged mode: each piece covers whole segments of a block-major ctx rank (all its layers and
+    heads), so the reader READs those segments into its own slot and unpacks them: no claim, no ctx packing.
     ``state`` is read after the KV, as one READ of explicit rows (``has_kv`` False: only it comes from this
     peer; the receiver also folds a direct KV part into it, one READ instead of two, and then ``nbytes`` is 0).
     ``expected_readers`` is how many gen ranks read this request from that ctx rank, whatever part; 0 means none
@@ -163,6 +165,7 @@ class PeerRead:
     remote_indices: np.ndarray | None = None
     coarse: bool = False  # the indices address whole segments (``KVLayout.unit_descriptors(coarse=True)``)
     pieces: tuple[Box, ...] = ()
+    gathered: bool = False  # staged pieces are whole ctx segments: the reader READs them and unpacks, no ctx packing
     state: RangeRead | None = None  # per-request state beside the paged KV: indexer-K, Mamba state
 
     @property

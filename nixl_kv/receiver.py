@@ -29,7 +29,9 @@ from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
 from nixl_kv.holds import LandingRing, hold_token, window_holds
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
+from nixl_kv.layout import MemoryKind
 from nixl_kv.loop import ProgressLoop
+from nixl_kv.memory import array_module
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.ranges import coalesce
@@ -381,7 +383,7 @@ class CacheReceiver:
         blocks = params.block_ids[min(cp_rank, len(params.block_ids) - 1)]
         token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
         folded = self._folded(read, rank)
-        return DirectPull(folded, rank, token, next(self._transfer_ids))
+        return DirectPull(folded, rank, token, next(self._transfer_ids), peer_blocks=blocks)
 
     def _start_direct(self, incoming: _Incoming) -> None:
         with self._direct_lock:
@@ -405,6 +407,9 @@ class CacheReceiver:
             pull.step = Step.DONE
             return
         read, agent = pull.read, self._loop.agent
+        if read.gathered:
+            self._post_piece(incoming, pull)
+            return
         if read.local_indices is not None:
             remote = self._peers.descriptors(pull.rank, read.coarse)
             pull.handle = agent.read(self._local[read.coarse], read.local_indices, remote, read.remote_indices, b"")
@@ -470,7 +475,56 @@ class CacheReceiver:
             self._caller_polled_at = 0.0
             self._loop.wake()
 
+    def _post_piece(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """A gathered READ: the ctx segments of the next piece into our staging slot (one run per consecutive
+        ctx blocks); without a free slot, wait for one (SLOT)."""
+        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+        if pull.slot is None:
+            try:  # no lease: the slot comes back (or stays poisoned with its READ) when the request ends
+                pull.slot = self._staging.acquire((incoming.key, pull.read.peer_rank), float("inf"), 1)
+            except BufferExhaustedError:
+                pull.step = Step.SLOT
+                return
+        box = pull.read.pieces[pull.piece]
+        ctx = incoming.ctx_state
+        theirs = self._formatter.localize(
+            ctx.cache, pull.read.peer_rank, box, incoming.num_blocks, np.asarray(pull.peer_blocks)
+        )
+        layout, slot = pull.rank.layout, pull.slot.region
+        segment = layout.segment_bytes
+        nbytes = segment * len(theirs.block_ids)
+        if nbytes > slot.nbytes:
+            raise TransferError(f"a gathered piece of {nbytes} bytes does not fit a {slot.nbytes}-byte slot")
+        remote_at = layout.pools[0].address + theirs.block_ids * segment
+        local_at = slot.address + np.arange(len(theirs.block_ids), dtype=np.int64) * segment
+        local_rows, remote_rows = coalesce(local_at, remote_at, np.full(len(local_at), segment), [slot], layout.pools)
+        self._peers.connect(pull.rank)
+        pull.handle = self._loop.agent.read_ranges(
+            pull.rank.agent_name, local_rows, slot.memory, remote_rows, layout.pools[0].memory, b""
+        )
+        pull.step = Step.READ
+        pull.posted_at, pull.posts_before = time.monotonic(), self._posts
+
+    def _unpack_piece(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """The piece's ctx segments ``[block, layer, kv, head, token, dim]`` into the packed order the formatter
+        unpacks (``[layer, kv, head, block, token, dim]``), then into our pools; done before the slot is reused."""
+        box, layout = pull.read.pieces[pull.piece], pull.rank.layout
+        blocks = self._local_blocks(incoming.request.request_id)
+        local = self._formatter.localize(self._self_state.cache, self._self_rank, box, incoming.num_blocks, blocks)
+        dtype = self._views[0].dtype
+        shape = (len(box.blocks), len(box.layers), layout.kv_factor, len(box.heads), layout.tokens_per_block)
+        data = pull.slot.array[: layout.segment_bytes * len(box.blocks)].view(dtype).reshape(*shape, layout.head_dim)
+        xp = array_module(pull.slot.region.memory)
+        packed = xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(-1).view(np.uint8)
+        self._formatter.unpack(self._cache.layout, self._views, local, packed)
+        if pull.slot.region.memory is MemoryKind.VRAM:
+            xp.cuda.get_current_stream().synchronize()  # the next piece's READ overwrites the slot
+
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
+        if pull.step is Step.SLOT:
+            del self._direct_queue[unit]
+            self._post_piece(incoming, pull)
+            return
         status = self._loop.agent.status(pull.handle)
         if status is TransferStatus.IN_PROGRESS:
             return
@@ -479,6 +533,14 @@ class CacheReceiver:
         self._loop.agent.release_transfer(pull.handle)
         pull.handle = None
         del self._direct_queue[unit]
+        if pull.step is Step.READ and pull.read.gathered:
+            self._unpack_piece(incoming, pull)
+            pull.piece += 1
+            if pull.piece < len(pull.read.pieces):
+                self._post_piece(incoming, pull)
+                return
+            self._staging.release(pull.slot)
+            pull.slot = None
         if pull.step is Step.READ:
             self._transport_check(
                 pull.rank.agent_name, pull.timed_bytes, pull.posted_at, pull.posts_before, time.monotonic()
@@ -578,11 +640,14 @@ class CacheReceiver:
                 self._direct_queue.pop((incoming.key, pull.read.peer_rank), None)
                 self._direct_by_transfer.pop(pull.transfer_id, None)
                 if pull.handle is not None:
-                    self._abandon(incoming, pull.handle, None, pull.landing, reason, pull.rank.agent_name)
-                    pull.handle, pull.landing = None, None
+                    self._abandon(incoming, pull.handle, pull.slot, pull.landing, reason, pull.rank.agent_name)
+                    pull.handle, pull.landing, pull.slot = None, None, None
                 elif pull.landing is not None:
                     self._landing.give(pull.landing)
                     pull.landing = None
+                if pull.slot is not None:
+                    self._staging.release(pull.slot)
+                    pull.slot = None
                 if pull.step is not Step.DONE and pull.read.expected_readers:
                     self._tell_ctx_failed(incoming, pull.rank, pull.transfer_id, pull.read.expected_readers, reason)
             self._end(incoming, reason)

@@ -12,6 +12,7 @@ import pytest
 
 from nixl_kv import wire
 from nixl_kv.holds import WINDOW, HoldBoard, LandingRing, hold_token, window_holds, window_start
+from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
 from tests.conftest import Pair
@@ -170,3 +171,26 @@ def test_a_peer_claiming_a_board_of_another_size_is_read_the_slow_way(pair_facto
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
     assert pair.mismatches(5, 1, 40) == 0
     assert pair.gen.transceiver._agent.live_handles["prepared"] == prepared_before + 1  # the pool list, no board
+
+
+@pytest.mark.parametrize("slots_free", [True, False])
+def test_gathered_pieces_need_no_ctx_packing(pair_factory, slots_free: bool) -> None:
+    """Block-major ctx -> per-layer NHD gen: the gen side READs whole ctx blocks into its own staging slot, piece
+    by piece (slots of 2 blocks here), and unpacks them; the ctx side never packs. With every slot taken at
+    first, the pull waits for one, then completes."""
+    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD, gen_config={"max_tokens_in_buffer": 32})
+    claims = []
+    pair.ctx.transceiver._sender._on_stage_claim = lambda reader, claim: claims.append(claim)
+    verdicts = _verdicts(pair)
+    staging = pair.gen.transceiver._staging
+    held = [] if slots_free else [staging.acquire(("test", i), float("inf"), 1) for i in range(len(staging.slots))]
+    request = pair.gen_request(5, pair.prefill(1, 100))  # 7 blocks of 16 tokens: 4 pieces
+    pair.gen.transceiver.request_and_receive_async(request)
+    if held:
+        time.sleep(0.05)
+        assert request.state is RequestState.GENERATION_TRANS_IN_PROGRESS
+        for slot in held:
+            staging.release(slot)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert pair.mismatches(5, 1, 100) == 0 and claims == [] and verdicts == []
+    assert all(slot.state.value == "free" for slot in staging.slots)
