@@ -29,9 +29,8 @@ from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
 from nixl_kv.holds import LandingRing, hold_token, window_holds
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
-from nixl_kv.layout import MemoryKind
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.memory import array_module
+from nixl_kv.memory import array_module, on_device
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.ranges import coalesce
@@ -515,10 +514,9 @@ class CacheReceiver:
         shape = (len(box.blocks), len(box.layers), layout.kv_factor, len(box.heads), layout.tokens_per_block)
         data = pull.slot.array[: layout.segment_bytes * len(box.blocks)].view(dtype).reshape(*shape, layout.head_dim)
         xp = array_module(pull.slot.region.memory)
-        packed = xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(-1).view(np.uint8)
-        self._formatter.unpack(self._cache.layout, self._views, local, packed)
-        if pull.slot.region.memory is MemoryKind.VRAM:
-            xp.cuda.get_current_stream().synchronize()  # the next piece's READ overwrites the slot
+        with on_device(pull.slot.region):  # this thread's GPU is the slot's; finished before the slot is reused
+            packed = xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(-1).view(np.uint8)
+            self._formatter.unpack(self._cache.layout, self._views, local, packed)
 
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
         if pull.step is Step.SLOT:

@@ -294,7 +294,7 @@ def test_csv_summaries_on_both_sides(pair_factory, tmp_path: Path) -> None:
 
 # --- hostile or broken peers and bugs (regressions found in review) ------------------------------------------------
 def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_factory) -> None:
-    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
+    pair = pair_factory(ctx_kind=LayoutKind.PER_LAYER_NHD)  # staged, packed by the ctx side (not gathered)
     sender = pair.ctx.transceiver._sender
     real_grant = sender._grant
 
@@ -309,7 +309,7 @@ def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_
 
 
 def test_an_unexpected_error_while_unpacking_ends_the_request_in_error(pair_factory) -> None:
-    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
+    pair = pair_factory(ctx_kind=LayoutKind.PER_LAYER_NHD)  # staged, packed by the ctx side (not gathered)
     formatter = pair.gen.transceiver._receiver._formatter
 
     def out_of_memory(*args: object) -> None:
@@ -357,7 +357,7 @@ def test_counters_reach_prometheus(pair_factory) -> None:
 def test_claims_that_arrive_before_the_ctx_rank_registers(pair_factory, registers: bool) -> None:
     # ranks of a ctx instance respond at slightly different times: a staged claim that reaches a rank first
     # waits (up to EARLY_GRACE_S) instead of failing the request, and is refused if the request never shows up
-    pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD)  # layouts that need staging
+    pair = pair_factory(ctx_kind=LayoutKind.PER_LAYER_NHD)  # staged, packed by the ctx side (not gathered)
     sender = pair.ctx.transceiver._sender
     ctx_request = pair.prefill(1, 40)
     with sender._lock:
