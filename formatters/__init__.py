@@ -1,0 +1,1 @@
+"""Cache formatters, installed as nixl_kv.formatters (pyproject.toml maps this folder into the package)."""

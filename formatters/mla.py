@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from formatters.standard import StandardFormatter
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.formatters.standard import StandardFormatter
 from nixl_kv.interfaces import LocalBox, RangeRead, ReadRequest
 from nixl_kv.layout import LayoutKind
 from nixl_kv.pool_checks import check_indexer_pools

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from formatters.kernels import copy_box
-from formatters.rnn import RnnFormatter
 from nixl_kv.errors import BufferExhaustedError, IncompatibleStateError, NotSupportedError
+from nixl_kv.formatters.kernels import copy_box
+from nixl_kv.formatters.rnn import RnnFormatter
 from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import KVLayout, LayoutKind
 from nixl_kv.state import AttentionType, CacheState

@@ -1,7 +1,9 @@
 """The two extension points of nixl_kv: transfer agents and cache formatters (DESIGN §2, §6).
 
-The transceiver layer sees agents and formatters only through these interfaces and the registry; the
-implementations (``agents/``, ``formatters/``) import the data model from ``nixl_kv``, never the reverse.
+The transceiver layer sees agents and formatters only through these interfaces and the registry (entry point
+groups ``nixl_kv.agents`` and ``nixl_kv.formatters``); the implementations (``nixl_kv.agents``,
+``nixl_kv.formatters``, kept in the repository's ``agents/`` and ``formatters/``, and third-party plug-ins) import
+the data model from ``nixl_kv``, never the reverse.
 """
 
 from __future__ import annotations

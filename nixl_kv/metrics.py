@@ -1,7 +1,9 @@
 """Transfer metrics: counters readable from Python, Prometheus export, and per-rank CSV summaries.
 
-Counters are per side (ctx, gen) of a transceiver. When ``prometheus_client`` is installed they are also
-exported as ``nixl_kv_*`` metrics labelled by side and instance. The CSV summary (one file per rank and side,
+Counters are per side (ctx, gen) of a transceiver, and are exported as ``nixl_kv_*`` Prometheus metrics
+labelled by side and instance. ``prometheus_client`` is a dependency of nixl-kv; where it cannot be imported (a
+source checkout on PYTHONPATH, as on the GPU machine) the counters stay readable from Python and a warning says
+once that nothing is exported. The CSV summary (one file per rank and side,
 under ``time_output_path``) gets a row per request whose outcome the sync group agreed on, with its timing
 merged across the ranks that took part (earliest start, latest end, bytes summed).
 """
@@ -43,6 +45,11 @@ class _Prometheus:
                 try:
                     import prometheus_client as prom
                 except ImportError:
+                    log.warning(
+                        "prometheus_client cannot be imported: nixl_kv_* metrics are not exported "
+                        "(it is a dependency of nixl-kv: pip install nixl-kv, or prometheus_client>=0.26.0); "
+                        "TransferMetrics.snapshot() still counts"
+                    )
                     cls._metrics = {}
                     return None
                 labels = ("side", "instance")

@@ -29,7 +29,7 @@ from nixl_kv.metrics import TransferMetrics, TransferSummary
 from nixl_kv.pool_checks import check_indexer_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
-from nixl_kv.registry import AGENTS, agent_class, formatter_class
+from nixl_kv.registry import agent_class, agent_names, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
 from nixl_kv.rnn import check_split, rnn_share
 from nixl_kv.sender import CacheSender, SenderContext
@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 
 
 def resolve_backend(name: str, environ: Mapping[str, str]) -> str:
-    """DEFAULT becomes the first registered agent with ``NIXL_KV_USE_<NAME>=1``, else NIXL."""
+    """DEFAULT becomes the first available agent (registered or installed, by name) with ``NIXL_KV_USE_<NAME>=1``,
+    else NIXL."""
     if name != "DEFAULT":
         return name
-    for agent in sorted(AGENTS):
+    for agent in agent_names():
         if environ.get(f"{ENV_PREFIX}USE_{agent.upper()}", "").lower() in ("1", "true", "yes", "on"):
             return agent
     return "NIXL"

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from agents.nixl_agent import NixlAgent
+from nixl_kv.agents.nixl_agent import NixlAgent
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 ENTRIES, UNIT, REPEATS = 100_000, 4096, 5

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from agents.nixl_agent import NixlAgent
+from nixl_kv.agents.nixl_agent import NixlAgent
 from nixl_kv.errors import AgentError
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion

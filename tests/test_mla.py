@@ -7,11 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from formatters.mla import MLAFormatter
-from formatters.standard import StandardFormatter
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.formatters.mla import MLAFormatter
+from nixl_kv.formatters.standard import StandardFormatter
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest

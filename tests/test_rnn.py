@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from formatters.rnn import RnnFormatter, state_rows
-from formatters.standard import StandardFormatter
 from nixl_kv import wire
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError
+from nixl_kv.formatters.rnn import RnnFormatter, state_rows
+from nixl_kv.formatters.standard import StandardFormatter
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, rnn_expected
 from nixl_kv.layout import LayoutKind
 from nixl_kv.progress import ContextProgress

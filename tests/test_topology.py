@@ -99,8 +99,8 @@ def _plan(gen: ParallelConfig, gen_rank: int, ctx: ParallelConfig, num_tokens: i
     """The standard formatter's plan for one gen rank, on made-up layouts (no agents needed)."""
     import numpy as np
 
-    from formatters.standard import StandardFormatter
     from nixl_kv.dtypes import DataType
+    from nixl_kv.formatters.standard import StandardFormatter
     from nixl_kv.interfaces import ReadRequest
     from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
     from nixl_kv.state import CacheState, CommState, DataTransceiverState, ModelConfig, RankCommInfo
