@@ -8,6 +8,7 @@ import ast
 import importlib
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -320,3 +321,43 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
     # and the project venv itself never saw it
     with pytest.raises(NotSupportedError, match="no transfer agent named 'LOOPBACK'"):
         registry.agent_class("LOOPBACK")
+
+
+# --- dependencies ----------------------------------------------------------------------------------------------
+# Third-party modules imported only where optional: cupy for VRAM pools (the gpu-cu12/gpu-cu13 extras), torch for
+# the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch).
+OPTIONAL = {"cupy", "torch"}
+REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
+
+
+def test_every_import_is_a_declared_dependency() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["dependencies"]}
+    imported: set[str] = set()
+    files = [*(ROOT / "nixl_kv").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *(ROOT / "formatters").glob("*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"nixl_kv"}
+    assert third_party - OPTIONAL == REQUIRED_IMPORTS == declared
+    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13"))
+    for dependency in project["dependencies"]:  # a floor (or a pin) on every one
+        assert any(op in dependency for op in (">=", "==")), dependency
+
+
+def test_without_prometheus_client_the_counters_still_count_and_a_warning_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from nixl_kv import metrics
+
+    monkeypatch.setattr(metrics._Prometheus, "_metrics", None)  # restored afterwards: the real series stay
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # importing it now raises ImportError
+    with caplog.at_level("WARNING", logger="nixl_kv.metrics"):
+        counters = metrics.TransferMetrics("no-prometheus")
+    assert "prometheus_client cannot be imported: nixl_kv_* metrics are not exported" in caplog.text
+    counters.add("gen", bytes=10, requests=1)
+    assert counters.snapshot()["gen"]["bytes"] == 10
