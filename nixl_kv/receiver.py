@@ -464,7 +464,12 @@ class CacheReceiver:
         bytes at a conservative rate, plus twice the fixed cost recent direct requests showed)."""
         if not self._direct_queue:
             return 0.0
-        pending = sum(pull.nbytes for _, pull in itertools.islice(self._direct_queue.values(), DIRECT_BATCH))
+        if not self._direct_lock.acquire(blocking=False):  # the queue is being advanced: never walk it meanwhile
+            return SPIN_BASE_S
+        try:
+            pending = sum(pull.nbytes for _, pull in itertools.islice(self._direct_queue.values(), DIRECT_BATCH))
+        finally:
+            self._direct_lock.release()
         fixed = max(SPIN_BASE_S, 2 * self._fixed_cost_s)
         return min(MAX_SPIN_S, fixed + pending / (self._spin_gbps * 1e9))
 
