@@ -7,6 +7,7 @@ A slot is FREE, LEASED to one transfer until a deadline, or POISONED: a remote a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class CacheTransBufferManager:
     """A fixed set of equally sized staging slots carved out of one registered buffer.
 
     ``max_tokens_in_buffer`` tokens of ``bytes_per_token`` each make one slot; ``num_slots`` slots in all.
+    Thread-safe: slots change state under one lock (the caller's thread and the progress loop both lease them).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class CacheTransBufferManager:
     ) -> None:
         if max_tokens_in_buffer < 1 or bytes_per_token < 1 or num_slots < 1:
             raise ValueError("max_tokens_in_buffer, bytes_per_token and num_slots must be positive")
+        self._lock = threading.Lock()
         self.slot_bytes = max_tokens_in_buffer * bytes_per_token
         self._buffer = allocate((num_slots, self.slot_bytes), "uint8", memory, device_id)
         self.region = region_of(self._buffer, memory, device_id)
@@ -68,10 +71,11 @@ class CacheTransBufferManager:
         if nbytes > self.slot_bytes:
             raise BufferExhaustedError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte staging slot")
         now = time.monotonic() if now is None else now
-        for slot in self.slots:
-            if slot.state is SlotState.FREE:
-                slot.state, slot.owner, slot.lease_deadline = SlotState.LEASED, owner, now + lease_s
-                return slot
+        with self._lock:
+            for slot in self.slots:
+                if slot.state is SlotState.FREE:
+                    slot.state, slot.owner, slot.lease_deadline = SlotState.LEASED, owner, now + lease_s
+                    return slot
         raise BufferExhaustedError(
             f"all {len(self.slots)} staging slots are in use ({self.poisoned_slots} poisoned); "
             "raise max_tokens_in_buffer or the slot count, or wait for transfers to finish"
@@ -79,17 +83,20 @@ class CacheTransBufferManager:
 
     def release(self, slot: StagingSlot) -> None:
         """Return a leased slot whose transfer is proven finished."""
-        if slot.state is not SlotState.LEASED:
-            raise ValueError(f"slot {slot.index} is {slot.state.value}, not leased")
-        slot.state, slot.owner = SlotState.FREE, None
+        with self._lock:
+            if slot.state is not SlotState.LEASED:
+                raise ValueError(f"slot {slot.index} is {slot.state.value}, not leased")
+            slot.state, slot.owner = SlotState.FREE, None
 
     def poison(self, slot: StagingSlot, reason: str) -> None:
         """A remote may still touch this slot: never reuse it until ``clear_poison``."""
-        slot.state, slot.poison_reason = SlotState.POISONED, reason
+        with self._lock:
+            slot.state, slot.poison_reason = SlotState.POISONED, reason
 
     def clear_poison(self, slot: StagingSlot) -> None:
-        if slot.state is SlotState.POISONED:
-            slot.state, slot.owner, slot.poison_reason = SlotState.FREE, None, ""
+        with self._lock:
+            if slot.state is SlotState.POISONED:
+                slot.state, slot.owner, slot.poison_reason = SlotState.FREE, None, ""
 
     def expire_leases(self, now: float | None = None) -> list[StagingSlot]:
         """Poison every leased slot whose lease ran out (its reader may still be at it); returns them."""

@@ -59,16 +59,22 @@ class PeerDirectory:
         return self._prepared_for(rank, b"board", MemoryKind.DRAM)
 
     def _prepared_for(self, rank: RankCommInfo, what: bytes, memory: MemoryKind) -> Any:
-        key = (rank.agent_name, what)  # agent names carry the instance's uuid: one layout per name
+        """Lists are kept by agent name and what they describe. A state is untrusted: one that names an agent we
+        hold a list for but describes its memory otherwise is refused, never served the other state's list."""
+        key = (rank.agent_name, what)
+        described = rank.board if what == b"board" else rank.layout
         with self._lock:
-            prepared = self._prepared.get(key)
-            if prepared is not None:
+            cached = self._prepared.get(key)
+            if cached is not None:
+                prepared, known = cached
+                if known is not described and known != described:
+                    raise AgentError(f"a second state names agent {rank.agent_name!r} with other memory")
                 self._prepared.move_to_end(key)
                 return prepared
             self.connect(rank)
             rows = board_rows(rank.board) if what == b"board" else rank.layout.unit_descriptors(what == b"coarse")
             prepared = self._agent.prepare(rank.agent_name, rows, memory)
-            self._prepared[key] = prepared
+            self._prepared[key] = (prepared, described)
             self._evict_idle()
             return prepared
 
@@ -76,7 +82,7 @@ class PeerDirectory:
         busy = self._busy_agents()
         excess = max(0, len(self._prepared) - self._max_peers)
         for key in [k for k in self._prepared if k[0] not in busy][:excess]:
-            self._agent.release_prepared(self._prepared.pop(key))
+            self._agent.release_prepared(self._prepared.pop(key)[0])
         with_lists = {agent for agent, _ in self._prepared}
         excess = max(0, len(self._loaded) - self._max_peers)
         for name in [a for a in self._loaded if a not in busy and a not in with_lists][:excess]:

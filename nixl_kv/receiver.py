@@ -27,7 +27,7 @@ from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
-from nixl_kv.holds import LandingRing, hold_token, window_holds
+from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots, hold_token, window_holds
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import array_module, on_device
@@ -223,7 +223,7 @@ class CacheReceiver:
         for rank in ctx_state.comm.ranks:
             for coarse in (False, True):
                 self._peers.descriptors(rank, coarse)
-            if rank.board is not None:
+            if rank.board is not None and board_slots(rank.board) == BOARD_SLOTS:  # the only size ever read
                 self._peers.board(rank)
 
     def cancel(self, request_id: int) -> bool:
@@ -386,6 +386,8 @@ class CacheReceiver:
 
     def _start_direct(self, incoming: _Incoming) -> None:
         with self._direct_lock:
+            if incoming.future.done():  # cancelled or closed between _prepare and here: nothing may be posted
+                return
             try:
                 for pull in incoming.direct:
                     self._post_direct(incoming, pull)
@@ -623,6 +625,8 @@ class CacheReceiver:
             return True
 
     def _expire_direct(self, now: float) -> None:
+        if not self._direct_deadlines or self._direct_deadlines[0][0] > now:
+            return  # nothing due: no lock taken (a spinning caller holds it often)
         with self._direct_lock:
             while self._direct_deadlines and self._direct_deadlines[0][0] <= now:
                 _, key = heapq.heappop(self._direct_deadlines)
@@ -709,7 +713,16 @@ class CacheReceiver:
         return bool(active) or bool(neglected)
 
     def _retry_stuck(self, now: float) -> None:
-        """Release the destinations of abandoned READs once their status has left in progress."""
+        """Release the destinations of abandoned READs once their status has left in progress. Under the direct
+        lock: a request failing on the caller's thread registers all its stuck READs before any is retired."""
+        if not self._stuck or not self._direct_lock.acquire(blocking=False):
+            return
+        try:
+            self._retire_stuck(now)
+        finally:
+            self._direct_lock.release()
+
+    def _retire_stuck(self, now: float) -> None:
         agent = self._loop.agent
         for stuck in [s for s in self._stuck if s.retry_at <= now]:
             if agent.status(stuck.handle) is TransferStatus.IN_PROGRESS or not agent.release_transfer(stuck.handle):

@@ -140,13 +140,13 @@ class CacheSender:
         deadline = request.transfer_start + self._context.lease_ms / 1000
         request.transfer_deadline = deadline
         entry = _Outgoing(request, blocks, num_blocks, deadline, future, progress=progress)
-        with self._lock:
+        with self._lock:  # the hold is posted before any thread can see (and so finish) the entry
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
                 raise ValueError(f"request {request.request_id} is already being sent")
+            self._post_hold(entry, rnn_slot)
             self._outgoing[request.request_id] = entry
             heapq.heappush(self._leases, (deadline, next(self._lease_order), request.request_id, entry))
-        self._post_hold(entry, rnn_slot)
         request.context_phase_params = wire.encode(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future

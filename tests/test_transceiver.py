@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgpack
@@ -10,10 +11,10 @@ import pytest
 
 from nixl_kv import wire
 from nixl_kv.dtypes import DataType
-from nixl_kv.errors import WireFormatError
+from nixl_kv.errors import AgentError, WireFormatError
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest
-from nixl_kv.state import ContextPhaseParams
+from nixl_kv.state import CommState, ContextPhaseParams
 from tests.conftest import Pair, Shape, make_side
 
 
@@ -268,3 +269,16 @@ def test_connect_to_meets_a_ctx_instance_before_its_first_request(pair_factory) 
     assert agent.live_handles == after  # the request found everything ready
     with pytest.raises(WireFormatError):
         pair.gen.transceiver.connect_to(b"\x93not a state")
+
+
+def test_a_second_state_naming_a_known_agent_with_other_memory_is_refused(pair_factory) -> None:
+    """Descriptor lists are kept by agent name: a state that reuses a name we hold lists for but describes its
+    pools otherwise gets a clear error, never the first state's lists (that would read other memory)."""
+    pair = pair_factory()
+    ctx = pair.ctx.transceiver
+    pair.gen.transceiver.connect_to(ctx.get_serialized_data_transceiver_state())
+    rank = ctx.state.comm.ranks[0]
+    moved = dataclasses.replace(rank.layout, pools=(dataclasses.replace(rank.layout.pools[0], address=4096),))
+    liar = dataclasses.replace(ctx.state, comm=CommState((dataclasses.replace(rank, layout=moved),)))
+    with pytest.raises(AgentError, match="with other memory"):
+        pair.gen.transceiver.connect_to(wire.encode(liar))
