@@ -87,12 +87,17 @@ class HoldBoard:
         return int(np.count_nonzero(self._entries))
 
 
-def board_rows(board: MemoryRegion) -> np.ndarray:
-    """Every window of a peer's board as Nx3 descriptor rows (prepared once per peer; window i is row i)."""
-    starts = board.address + np.arange(board_slots(board), dtype=np.uint64) * np.uint64(TOKEN_BYTES)
-    rows = np.empty((len(starts), 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = starts, WINDOW_BYTES, board.device_id
+def window_rows(address: int, count: int, stride: int, device_id: int) -> np.ndarray:
+    """Nx3 descriptor rows of ``count`` windows starting every ``stride`` bytes (window i is row i)."""
+    rows = np.empty((count, 3), dtype=np.uint64)
+    rows[:, 0] = address + np.arange(count, dtype=np.uint64) * np.uint64(stride)
+    rows[:, 1], rows[:, 2] = WINDOW_BYTES, device_id
     return rows
+
+
+def board_rows(board: MemoryRegion) -> np.ndarray:
+    """Every window of a peer's board (windows overlap: one starts at every token); prepared once per peer."""
+    return window_rows(board.address, board_slots(board), TOKEN_BYTES, board.device_id)
 
 
 class LandingRing:
@@ -103,7 +108,7 @@ class LandingRing:
         self._free = collections.deque(range(windows))
         base = int(self._windows.ctypes.data)
         self.region = MemoryRegion(base, self._windows.nbytes, 0, MemoryKind.DRAM)
-        self.rows = np.array([[base + i * WINDOW_BYTES, WINDOW_BYTES, 0] for i in range(windows)], dtype=np.uint64)
+        self.rows = window_rows(base, windows, WINDOW_BYTES, 0)
 
     def take(self) -> int | None:
         """A free window, zeroed (a READ that lands nothing must not show a stale token), or None."""

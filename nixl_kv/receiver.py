@@ -565,16 +565,14 @@ class CacheReceiver:
         A verdict may overtake the check's completion: from here on it is kept until the check has finished."""
         self._direct_by_transfer[pull.transfer_id] = (incoming, pull)
         pull.landing = self._landing.take()
-        if pull.landing is None:
-            done = self._read_done_message(
-                incoming, pull.transfer_id, pull.read.expected_readers, True, False, pull.token
-            )
-            self._loop.agent.notify(pull.rank.agent_name, done)
+        checks_hold = pull.landing is not None
+        notification = self._read_done_message(
+            incoming, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
+        )
+        if not checks_hold:
+            self._loop.agent.notify(pull.rank.agent_name, notification)
             self._await_verdict(incoming, pull)
             return
-        notification = self._read_done_message(
-            incoming, pull.transfer_id, pull.read.expected_readers, True, True, pull.token
-        )
         pull.handle = self._loop.agent.read(
             self._windows,
             np.array([pull.landing], dtype=np.int32),
@@ -951,7 +949,9 @@ class CacheReceiver:
         final: bool,
         checks_hold: bool,
         hold_token: int = 0,
+        failure: str = "",
     ) -> bytes:
+        """``failure``: the reader gives up (a ``ReadDone(failed)``, so the ctx rank need not wait its lease)."""
         return wire.encode(
             ReadDone(
                 ctx_instance_id=incoming.key[0],
@@ -960,6 +960,8 @@ class CacheReceiver:
                 reader_metadata=self._metadata,
                 expected_readers=expected_readers,
                 final=final,
+                failed=bool(failure),
+                reason=failure[:512],
                 checks_hold=checks_hold,
                 hold_token=hold_token,
             )
@@ -1041,18 +1043,9 @@ class CacheReceiver:
         except AgentError as exc:
             log.info("could not reach %s to report request %s failed: %s", rank.agent_name, incoming.key, exc)
             return
-        message = ReadDone(
-            ctx_instance_id=incoming.key[0],
-            request_id=incoming.key[1],
-            transfer_id=transfer_id,
-            reader_metadata=self._metadata,
-            expected_readers=expected_readers,
-            final=True,
-            failed=True,
-            reason=reason[:512],
-        )
+        message = self._read_done_message(incoming, transfer_id, expected_readers, True, False, failure=reason)
         try:
-            self._loop.agent.notify(rank.agent_name, wire.encode(message))
+            self._loop.agent.notify(rank.agent_name, message)
         except AgentError as exc:
             log.info("could not tell %s that request %s failed: %s", rank.agent_name, incoming.key, exc)
 
