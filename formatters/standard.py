@@ -22,6 +22,7 @@ from nixl_kv.formatters.kernels import copy_box
 from nixl_kv.formatters.rnn import RnnFormatter
 from nixl_kv.interfaces import Box, Formatter, LocalBox, PeerRead, RangeRead, ReadRequest, StatePlanner
 from nixl_kv.layout import KVLayout, LayoutKind
+from nixl_kv.pool_checks import check_block_range
 from nixl_kv.state import AttentionType, CacheState
 from nixl_kv.topology import (
     PeerSlice,
@@ -88,7 +89,7 @@ class StandardFormatter(Formatter):
             raise IncompatibleStateError(
                 f"gen rank holds {len(local_blocks)} blocks for the request, its share needs {len(mine.blocks)}"
             )
-        _check_range("gen block id", local_blocks[: len(mine.blocks)], request.self_layout.num_blocks)
+        check_block_range("gen block id", local_blocks[: len(mine.blocks)], request.self_layout.num_blocks)
         gen_dp_rank = position(gen.parallel, request.self_rank).tp_rank
         first = self.first_needed_block(gen, num_blocks, request.first_block)
         slices = peer_slices(
@@ -163,7 +164,7 @@ class StandardFormatter(Formatter):
             raise IncompatibleStateError(
                 f"ctx CP rank {cp_rank} sent {len(ids)} block ids, its share of the request is {len(theirs.blocks)}"
             )
-        _check_range("ctx block id", ids, request.peer_state.comm.ranks[peer_rank].layout.num_blocks)
+        check_block_range("ctx block id", ids, request.peer_state.comm.ranks[peer_rank].layout.num_blocks)
         return ids
 
     def _peer_read(
@@ -280,8 +281,3 @@ def _direct_run_bytes(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine:
     if not local.heads_inner:
         return local.chunk_bytes if all_heads else 0
     return local.chunk_bytes if all_heads else len(piece.heads) * local.unit_bytes
-
-
-def _check_range(what: str, blocks: np.ndarray, num_blocks: int) -> None:
-    if len(blocks) and (blocks.min() < 0 or blocks.max() >= num_blocks):
-        raise IncompatibleStateError(f"{what} outside the pool of {num_blocks} blocks")

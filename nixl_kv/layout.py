@@ -118,6 +118,15 @@ class KVLayout:
         rows = [(pool.address, unit, pool.device_id, unit, self.pool_bytes // unit) for pool in self.pools]
         return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
+    def block_stride(self, coarse: bool) -> int:
+        """How far a unit's descriptor index moves when its block id grows by one: every index of
+        ``segment_indices``/``unit_indices`` is affine in its block id (``nixl_kv.plan_cache`` relies on it)."""
+        if coarse or self.kind is LayoutKind.PER_LAYER_NHD:
+            return 1
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            return self.num_layers * self.kv_factor * self.num_heads
+        return self.num_heads
+
     def unit_addresses(self, indices: np.ndarray, coarse: bool) -> np.ndarray:
         """The addresses of descriptor entries of ``unit_descriptors(coarse)``, by index."""
         unit = self.segment_bytes if coarse else self.unit_bytes

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.rnn import RnnShare
@@ -68,3 +70,13 @@ def check_rnn_pools(layout: RnnLayout, held: RnnShare, config: RnnConfig, who: s
 def check_slot(layout: RnnLayout, slot: int, who: str) -> None:
     if not 0 <= slot < layout.num_slots:
         raise IncompatibleStateError(f"{who}: RNN state slot {slot} outside its {layout.num_slots} slots")
+
+
+def check_block_range(what: str, blocks: Any, num_blocks: int) -> None:
+    """Block ids a plan reads or writes must lie inside the pool (a READ outside it would name other memory).
+    ``blocks`` is an array, or a sequence of ints (the wire's tuples: Python's min and max are faster there)."""
+    if not len(blocks):
+        return
+    low, high = (blocks.min(), blocks.max()) if isinstance(blocks, np.ndarray) else (min(blocks), max(blocks))
+    if low < 0 or high >= num_blocks:
+        raise IncompatibleStateError(f"{what} outside the pool of {num_blocks} blocks")

@@ -32,6 +32,7 @@ from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, Tran
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import array_module, on_device
 from nixl_kv.peers import PeerDirectory
+from nixl_kv.plan_cache import PlanCache
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
@@ -161,6 +162,7 @@ class CacheReceiver:
         self._staging = staging
         self._max_peers = max_peers
         self._views = pool_views(cache.layout)
+        self._plans = PlanCache(self._plan_from_scratch)
         self._lock = threading.Lock()
         self._active: dict[RequestKey, _Incoming] = {}
         self._by_request: dict[int, RequestKey] = {}
@@ -330,7 +332,6 @@ class CacheReceiver:
         self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
     ) -> tuple[ReadRequest, list[PeerRead]]:
         """Check the pairing and plan this rank's reads of the request (no byte moves yet)."""
-        self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
         if params.layerwise and ctx_state.cache.rnn is not None:
             raise NotSupportedError(
                 "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
@@ -354,7 +355,13 @@ class CacheReceiver:
             self_rnn_slot=self._local_slot(request.request_id),
             peer_rnn_slot=params.rnn_slot,
         )
-        return read_request, self._formatter.plan(read_request)
+        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
+        return read_request, self._plans.plan(read_request, num_blocks)
+
+    def _plan_from_scratch(self, read_request: ReadRequest) -> list[PeerRead]:
+        """What the plan cache calls for a new kind of request (its template is kept for the next ones)."""
+        self._formatter.inquire_support(self._self_state.cache, read_request.peer_state.cache)
+        return self._formatter.plan(read_request)
 
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
         """A direct KV part and the state after it, read together: each READ costs a confirmation round trip."""

@@ -10,11 +10,12 @@ rank is shared through the same agreement, and every rank cancels its part, so t
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from nixl_kv.comm import CacheTransceiverComm
@@ -91,9 +92,26 @@ class TransferTracker:
     failed: set[int] = field(default_factory=set)
     timed_out: set[int] = field(default_factory=set)
     cancel_requested: set[int] = field(default_factory=set)
+    ended: deque[int] = field(default_factory=deque)  # ids whose futures ended, appended by any thread
+    ready: set[int] = field(default_factory=set)  # ended and not yet collected: a check costs what ended
+    wakeup: threading.Event = field(default_factory=threading.Event)
 
     def add(self, request: TransferRequest, future: Future) -> None:
-        self.futures[request.request_id] = (request, future)
+        rid = request.request_id
+        self.futures[rid] = (request, future)
+        future.add_done_callback(lambda _, rid=rid: self._on_end(rid))
+
+    def _on_end(self, rid: int) -> None:
+        self.ended.append(rid)
+        self.wakeup.set()
+
+    def _ready_count(self) -> int:
+        """Take in what ended since the last look (deque pops are atomic); returns how many are ready."""
+        while self.ended:
+            rid = self.ended.popleft()
+            if rid in self.futures and self.futures[rid][1].done():
+                self.ready.add(rid)
+        return len(self.ready)
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.futures
@@ -115,8 +133,8 @@ class TransferTracker:
             latest = max(request.transfer_deadline for request, _ in self.futures.values())
             self._wait_for_ready(len(self.futures), latest - time.monotonic() + SAFETY_MARGIN_S)
         self._watch_deadlines()
-        ready = [rid for rid, (_, future) in self.futures.items() if future.done()]
-        selected = set(self.futures) if blocking else ready_everywhere(rules.select, ready)
+        self._ready_count()
+        selected = set(self.futures) if blocking else ready_everywhere(rules.select, list(self.ready))
         self._collect(selected, blocking)
         timed_out = self.timed_out if rules.inflight_cancel else set()
         outcome = reduce_in_stages(rules.agree, self.completed, self.failed, timed_out)
@@ -126,26 +144,26 @@ class TransferTracker:
 
     def _wait_for_ready(self, at_least: int, wait_s: float) -> None:
         """Poll (advancing transfers on this thread) for about as long as the READs in flight take, then sleep
-        on the futures: a request whose READ ends meanwhile completes without waking another thread."""
+        until a future ends: a request whose READ ends meanwhile completes without waking another thread."""
         now = time.monotonic()
         deadline = now + wait_s
         spin_until = min(deadline, now + self.rules.spin_budget_s())
         while True:
-            pending = [future for _, future in self.futures.values() if not future.done()]
+            self.wakeup.clear()
+            ready = self._ready_count()
             now = time.monotonic()
-            if len(self.futures) - len(pending) >= at_least or not pending or now >= deadline:
+            if ready >= at_least or ready == len(self.futures) or now >= deadline:
                 return
             if now < spin_until:
-                self._spin(len(self.futures) - len(pending), at_least, min(spin_until, now + RESCAN_S))
+                self._spin(ready, at_least, min(spin_until, now + RESCAN_S))
                 continue
             self.rules.hand_off()
-            slice_s = min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000)
-            wait_futures(pending, timeout=slice_s, return_when=FIRST_COMPLETED)
+            self.wakeup.wait(min(deadline - now, DEFAULT_POLL_SLICE_MS / 1000))
             spin_until = time.monotonic() + self.rules.spin_budget_s()
 
     def _spin(self, ready: int, at_least: int, until: float) -> None:
         """Advance transfers on this thread until ``at_least`` are ready (as counted by the ends it caused) or
-        ``until``; the caller then rescans every future (another thread may have ended some)."""
+        ``until``; the caller then takes in every end (another thread may have ended some)."""
         while ready < at_least and time.monotonic() < until:
             ready += self.rules.progress()
 
@@ -166,13 +184,15 @@ class TransferTracker:
                 )  # fmt: skip
 
     def _collect(self, selected: set[int], blocking: bool) -> None:
-        for rid, (request, future) in list(self.futures.items()):
-            if rid not in selected:
+        for rid in selected:
+            if rid not in self.futures:
                 continue
+            request, future = self.futures[rid]
             error = outcome_by_deadline(request, future, self.rules.cancel) if blocking else outcome_now(future)
             if error is False:
                 continue
             del self.futures[rid]
+            self.ready.discard(rid)
             self.awaiting[rid] = request
             if error is None:
                 self.completed.add(rid)

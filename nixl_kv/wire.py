@@ -70,7 +70,7 @@ def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
     if cls is None:
         raise WireFormatError("type", f"expected one of {', '.join(by_name)}, got {_show(envelope['type'])}")
     try:
-        return _from_plain(envelope["body"], cls, {}, cls.__name__, 0)
+        return _decoder(cls, ())(envelope["body"], cls.__name__, 0)
     except WireFormatError:
         raise
     except RecursionError:
@@ -78,20 +78,27 @@ def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
 
 
 @cache
-def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(name, default) of each field; ``_NO_DEFAULT`` for fields without one."""
+def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, default or ``_NO_DEFAULT``, plain) of each field; a plain field (bool, int, str, bytes) is sent
+    as it is, the others (nested dataclasses, enums, tuples) are converted."""
+    hints = _hints(cls)
     return tuple(
-        (f.name, _NO_DEFAULT if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)
+        (
+            f.name,
+            _NO_DEFAULT if f.default is dataclasses.MISSING else f.default,
+            hints[f.name] in (bool, int, str, bytes),
+        )
+        for f in dataclasses.fields(cls)
     )
 
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         plain = {}
-        for name, default in _defaults(type(value)):
+        for name, default, is_plain in _fields(type(value)):
             item = getattr(value, name)
             if default is _NO_DEFAULT or item != default:
-                plain[name] = _to_plain(item)
+                plain[name] = item if is_plain else _to_plain(item)
         return plain
     if isinstance(value, Enum):
         return value.value
@@ -105,115 +112,149 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _from_plain(value: Any, hint: Any, meta: dict[str, Any], path: str, depth: int) -> Any:
-    if depth > _MAX_DEPTH:
-        raise WireFormatError(path, "nested too deeply")
+Decoder = typing.Callable[[Any, str, int], Any]
+
+
+@cache
+def _decoder(hint: Any, meta_items: tuple[tuple[str, Any], ...]) -> Decoder:
+    """The checking decoder of one (type hint, field metadata), worked out once: a message is then decoded by a
+    few closures rather than by walking type hints per value (params 52 -> ~15 µs)."""
+    meta = dict(meta_items)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if value is None:
-            return None
-        return _from_plain(value, options[0], meta, path, depth)
+        inner = _decoder([arg for arg in typing.get_args(hint) if arg is not type(None)][0], meta_items)
+        return lambda value, path, depth: None if value is None else inner(value, path, depth)
     if origin is tuple:
-        return _tuple_from_plain(value, typing.get_args(hint)[0], meta, path, depth)
+        return _tuple_decoder(typing.get_args(hint)[0], meta, meta_items)
     if dataclasses.is_dataclass(hint):
-        return _dataclass_from_plain(value, hint, path, depth)
+        return _dataclass_decoder(hint)
     if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except (ValueError, TypeError):
-            allowed = ", ".join(str(member.value) for member in hint)
-            raise WireFormatError(path, f"{_show(value)} is not one of {allowed}") from None
+        return _enum_decoder(hint)
     if hint is bool:
-        if type(value) is not bool:
-            raise WireFormatError(path, f"expected a bool, got {_show(value)}")
-        return value
+        return _bool
     if hint is int:
-        return _int_from_plain(value, meta, path)
+        lo, hi = meta.get("lo", 0), meta.get("hi", _U64_MAX)
+        return lambda value, path, depth: _int(value, lo, hi, path)
     if hint is str:
-        if not isinstance(value, str):
-            raise WireFormatError(path, f"expected a string, got {_show(value)}")
-        if len(value) > meta.get("max_len", _DEFAULT_MAX_STR):
-            raise WireFormatError(path, f"string of {len(value)} characters is too long")
-        return value
+        return _sized(str, "a string", "string of {} characters is too long", meta.get("max_len", _DEFAULT_MAX_STR))
     if hint is bytes:
-        if not isinstance(value, bytes):
-            raise WireFormatError(path, f"expected bytes, got {_show(value)}")
-        if len(value) > meta.get("max_bytes", _DEFAULT_MAX_BYTES):
-            raise WireFormatError(path, f"{len(value)} bytes is too long")
-        return value
-    raise WireFormatError(path, f"no wire rule for type {hint!r}")  # a bug in the data model, not the input
+        return _sized(bytes, "bytes", "{} bytes is too long", meta.get("max_bytes", _DEFAULT_MAX_BYTES))
+    raise WireFormatError("<schema>", f"no wire rule for type {hint!r}")  # a bug in the data model, not the input
 
 
-def _int_from_plain(value: Any, meta: dict[str, Any], path: str) -> int:
+def _bool(value: Any, path: str, depth: int) -> bool:
+    if type(value) is not bool:
+        raise WireFormatError(path, f"expected a bool, got {_show(value)}")
+    return value
+
+
+def _int(value: Any, lo: int, hi: int, path: str) -> int:
     if type(value) is not int:
         raise WireFormatError(path, f"expected an integer, got {_show(value)}")
-    lo, hi = meta.get("lo", 0), meta.get("hi", (1 << 64) - 1)
     if not lo <= value <= hi:
         raise WireFormatError(path, f"{value} is outside [{lo}, {hi}]")
     return value
 
 
-def _tuple_from_plain(value: Any, item_hint: Any, meta: dict[str, Any], path: str, depth: int) -> tuple:
-    if not isinstance(value, list):
-        raise WireFormatError(path, f"expected an array, got {_show(value)}")
+def _sized(kind: type, name: str, too_long: str, limit: int) -> Decoder:
+    def decode(value: Any, path: str, depth: int) -> Any:
+        if not isinstance(value, kind):
+            raise WireFormatError(path, f"expected {name}, got {_show(value)}")
+        if len(value) > limit:
+            raise WireFormatError(path, too_long.format(len(value)))
+        return value
+
+    return decode
+
+
+def _enum_decoder(hint: type[Enum]) -> Decoder:
+    def decode(value: Any, path: str, depth: int) -> Enum:
+        try:
+            return hint(value)
+        except (ValueError, TypeError):
+            allowed = ", ".join(str(member.value) for member in hint)
+            raise WireFormatError(path, f"{_show(value)} is not one of {allowed}") from None
+
+    return decode
+
+
+def _tuple_decoder(item_hint: Any, meta: dict[str, Any], meta_items: tuple[tuple[str, Any], ...]) -> Decoder:
     nested = typing.get_origin(item_hint) is tuple
     limit = meta.get("max_outer" if nested else "max_items", _DEFAULT_MAX_ITEMS)
-    if len(value) > limit:
-        raise WireFormatError(path, f"{len(value)} items exceeds the limit of {limit}")
-    if item_hint is int and all(type(item) is int for item in value):
-        lo, hi = meta.get("lo", 0), meta.get("hi", (1 << 64) - 1)
-        if value and not (lo <= min(value) and max(value) <= hi):
-            bad = next(item for item in value if not lo <= item <= hi)
-            raise WireFormatError(f"{path}[{value.index(bad)}]", f"{bad} is outside [{lo}, {hi}]")
-        return tuple(value)
-    return tuple(_from_plain(item, item_hint, meta, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+    lo, hi = meta.get("lo", 0), meta.get("hi", _U64_MAX)
+    of_ints = item_hint is int
+    item = _decoder(item_hint, meta_items)
+
+    def decode(value: Any, path: str, depth: int) -> tuple:
+        if depth > _MAX_DEPTH:
+            raise WireFormatError(path, "nested too deeply")
+        if not isinstance(value, list):
+            raise WireFormatError(path, f"expected an array, got {_show(value)}")
+        if len(value) > limit:
+            raise WireFormatError(path, f"{len(value)} items exceeds the limit of {limit}")
+        if of_ints and all(type(entry) is int for entry in value):
+            if value and not (lo <= min(value) and max(value) <= hi):
+                bad = next(entry for entry in value if not lo <= entry <= hi)
+                raise WireFormatError(f"{path}[{value.index(bad)}]", f"{bad} is outside [{lo}, {hi}]")
+            return tuple(value)
+        return tuple(item(entry, f"{path}[{i}]", depth + 1) for i, entry in enumerate(value))
+
+    return decode
 
 
-@dataclasses.dataclass(frozen=True)
-class _FieldRule:
-    name: str
-    hint: Any
-    meta: dict[str, Any]
-    has_default: bool
-    plain_int: bool  # an int field: checked inline (the hot messages are mostly ints)
-
-
-@cache
-def _field_rules(cls: type) -> tuple[dict[str, _FieldRule], ...]:
-    """Each field's rule, worked out once per class rather than once per message."""
+def _dataclass_decoder(cls: type) -> Decoder:
     hints = _hints(cls)
-    rules = {}
+    rules = []
     for spec in dataclasses.fields(cls):
         has_default = spec.default is not dataclasses.MISSING or spec.default_factory is not dataclasses.MISSING
+        meta_items = tuple(sorted(spec.metadata.items()))
         hint = hints[spec.name]
-        rules[spec.name] = _FieldRule(spec.name, hint, dict(spec.metadata), has_default, hint is int)
-    return (rules,)
+        lo, hi = spec.metadata.get("lo", 0), spec.metadata.get("hi", _U64_MAX)
+        rules.append((spec.name, hint is int, lo, hi, has_default, _LazyDecoder(hint, meta_items)))
+    names = frozenset(rule[0] for rule in rules)
+    checks = hasattr(cls, "problems")
 
-
-def _dataclass_from_plain(value: Any, cls: type, path: str, depth: int) -> Any:
-    if not isinstance(value, dict):
-        raise WireFormatError(path, f"expected a map, got {_show(value)}")
-    (rules,) = _field_rules(cls)
-    unknown = [key for key in value if key not in rules]
-    if unknown:
-        raise WireFormatError(f"{path}.{str(unknown[0])[:64]}", "unknown field")
-    kwargs = {}
-    for name, rule in rules.items():
-        if name not in value:
-            if rule.has_default:
+    def decode(value: Any, path: str, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise WireFormatError(path, "nested too deeply")
+        if not isinstance(value, dict):
+            raise WireFormatError(path, f"expected a map, got {_show(value)}")
+        if not names.issuperset(value):
+            unknown = next(key for key in value if key not in names)
+            raise WireFormatError(f"{path}.{str(unknown)[:64]}", "unknown field")
+        kwargs = {}
+        for name, plain_int, lo, hi, has_default, field_decoder in rules:
+            if name not in value:
+                if has_default:
+                    continue
+                raise WireFormatError(f"{path}.{name}", "missing")
+            item = value[name]
+            if plain_int and type(item) is int and lo <= item <= hi:
+                kwargs[name] = item
                 continue
-            raise WireFormatError(f"{path}.{name}", "missing")
-        item = value[name]
-        if rule.plain_int and type(item) is int and rule.meta.get("lo", 0) <= item <= rule.meta.get("hi", _U64_MAX):
-            kwargs[name] = item
-            continue
-        kwargs[name] = _from_plain(item, rule.hint, rule.meta, f"{path}.{name}", depth + 1)
-    obj = cls(**kwargs)
-    problems = obj.problems() if hasattr(obj, "problems") else []
-    if problems:
-        raise WireFormatError(path, "; ".join(problems))
-    return obj
+            kwargs[name] = field_decoder(item, f"{path}.{name}", depth + 1)
+        obj = cls(**kwargs)
+        problems = obj.problems() if checks else []
+        if problems:
+            raise WireFormatError(path, "; ".join(problems))
+        return obj
+
+    return decode
+
+
+class _LazyDecoder:
+    """A field's decoder, looked up at first use (a class may refer to itself, or to one defined later)."""
+
+    __slots__ = ("_args", "_decode")
+
+    def __init__(self, hint: Any, meta_items: tuple[tuple[str, Any], ...]) -> None:
+        self._args = (hint, meta_items)
+        self._decode: Decoder | None = None
+
+    def __call__(self, value: Any, path: str, depth: int) -> Any:
+        if self._decode is None:
+            self._decode = _decoder(*self._args)
+        return self._decode(value, path, depth)
 
 
 def _show(value: Any) -> str:

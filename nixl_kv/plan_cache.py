@@ -1,0 +1,165 @@
+"""Plan templates: a request planned like an earlier one but for its block ids only maps those ids to indices.
+
+Why: planning a request from scratch (pairing checks, topology, the formatter's boxes) cost about 130 µs of
+Python per request on the 2-core machine, more than the READ of a 128-token request. For a given ctx instance,
+request length, prefix reuse and ctx DP rank, every plan is the same but for the block ids, and a direct read's
+descriptor indices are affine in the block id (``KVLayout.block_stride``). So the first such request is
+planned once with *positions* for block ids (0, 1, 2, ...); later ones turn their ids into indices with one
+gather: ``index = template + (ids[position] - position) * stride``.
+
+Plans that read per-request state (Mamba state, the indexer-K cache) depend on more than block ids; they are
+planned from scratch every time (their key is remembered as such).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from nixl_kv.errors import NixlKvError
+from nixl_kv.interfaces import PeerRead, ReadRequest
+from nixl_kv.layout import KVLayout
+from nixl_kv.pool_checks import check_block_range
+from nixl_kv.state import DataTransceiverState
+from nixl_kv.topology import position
+
+MAX_TEMPLATES = 1024
+
+Planner = Callable[[ReadRequest], list[PeerRead]]
+
+
+@dataclass(frozen=True)
+class _Indices:
+    """One side's descriptor indices of a direct read: ``index = base + block_id[position] * stride``."""
+
+    base: np.ndarray  # int32: the index with block id 0 (never negative, below 2**31 as every index)
+    positions: np.ndarray  # the block position each entry belongs to
+    stride: int
+
+    @classmethod
+    def of(cls, indices: np.ndarray, layout: KVLayout, coarse: bool) -> _Indices:
+        """From indices planned with block id = block position."""
+        stride = layout.block_stride(coarse)
+        template = np.asarray(indices, dtype=np.int64)
+        positions = (template // stride) % layout.num_blocks
+        return cls((template - positions * stride).astype(np.int32), positions, stride)
+
+    def with_ids(self, block_ids: np.ndarray) -> np.ndarray:
+        """``block_ids`` int32, already checked to lie inside the pool."""
+        indices = block_ids[self.positions]
+        indices *= self.stride
+        indices += self.base
+        return indices
+
+
+@dataclass(frozen=True)
+class _ReadTemplate:
+    read: PeerRead
+    cp_rank: int  # whose block ids the ctx side of this read uses
+    peer_pool_blocks: int  # the ctx rank's pool size: its block ids must fall inside
+    local: _Indices | None = None
+    remote: _Indices | None = None
+
+    def instantiate(self, local_ids: np.ndarray, peer_ids: list[np.ndarray]) -> PeerRead:
+        if self.local is None or self.remote is None:
+            return self.read  # staged, gathered or no-readers: no block id in the plan itself
+        read = self.read  # built field by field: dataclasses.replace costs more than the rest of this
+        return PeerRead(
+            read.peer_rank,
+            read.expected_readers,
+            read.nbytes,
+            read.layers,
+            self.local.with_ids(local_ids),
+            self.remote.with_ids(peer_ids[self.cp_rank]),
+            read.coarse,
+            read.pieces,
+            read.gathered,
+            read.state,
+        )
+
+
+@dataclass(frozen=True)
+class _Template:
+    peer_state: DataTransceiverState  # the key holds its id(): the template keeps it alive and checks it
+    reads: tuple[_ReadTemplate, ...] | None  # None: requests of this key are planned from scratch
+
+
+class PlanCache:
+    """Plan templates by (ctx instance state, blocks, reused blocks, ctx DP rank, id counts, state slot).
+
+    Requests are planned on their callers' threads: two may build the same template at once (both are right;
+    the last is kept); the table itself changes under a lock."""
+
+    def __init__(self, planner: Planner, max_templates: int = MAX_TEMPLATES) -> None:
+        self._planner = planner
+        self._max = max_templates
+        self._templates: OrderedDict[tuple, _Template] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def plan(self, request: ReadRequest, num_blocks: int) -> list[PeerRead]:
+        if request.layers is not None or request.only_peer is not None:  # layer-wise steps: planned as asked
+            return self._planner(request)
+        key = (
+            id(request.peer_state),
+            num_blocks,
+            request.first_block,
+            request.peer_dp_rank,
+            len(request.local_block_ids),
+            tuple(len(ids) for ids in request.peer_block_ids),
+            request.self_rnn_slot is None,
+            request.peer_rnn_slot is None,
+        )
+        template = self._templates.get(key)
+        if template is None or template.peer_state is not request.peer_state:
+            template = self._build(request)
+            with self._lock:
+                self._templates[key] = template
+                while len(self._templates) > self._max:
+                    self._templates.popitem(last=False)
+        if template.reads is None:
+            return self._planner(request)
+        return _instantiate(template.reads, request)
+
+    def _build(self, request: ReadRequest) -> _Template:
+        """Plan with positions for block ids; a plan that is more than indices of block ids is not a template."""
+        positional = dataclasses.replace(
+            request,
+            peer_block_ids=tuple(tuple(range(len(ids))) for ids in request.peer_block_ids),
+            local_block_ids=np.arange(len(request.local_block_ids), dtype=np.int64),
+        )
+        try:
+            plan = self._planner(positional)
+        except NixlKvError:
+            return _Template(request.peer_state, None)  # the request's own ids decide (and name) the error
+        if any(read.state is not None for read in plan):
+            return _Template(request.peer_state, None)
+        ranks, parallel = request.peer_state.comm.ranks, request.peer_state.cache.parallel
+        reads = []
+        for read in plan:
+            peer = ranks[read.peer_rank].layout
+            entry = _ReadTemplate(read, position(parallel, read.peer_rank).cp_rank, peer.num_blocks)
+            if read.local_indices is not None and read.remote_indices is not None:
+                entry = dataclasses.replace(
+                    entry,
+                    local=_Indices.of(read.local_indices, request.self_layout, read.coarse),
+                    remote=_Indices.of(read.remote_indices, peer, read.coarse),
+                )
+            reads.append(entry)
+        return _Template(request.peer_state, tuple(reads))
+
+
+def _instantiate(reads: tuple[_ReadTemplate, ...], request: ReadRequest) -> list[PeerRead]:
+    """The template with the request's block ids, checked as the formatter checks them."""
+    local = np.asarray(request.local_block_ids)
+    check_block_range("gen block id", local, request.self_layout.num_blocks)
+    for entry in reads:
+        if entry.read.expected_readers and entry.read.has_kv:
+            check_block_range("ctx block id", request.peer_block_ids[entry.cp_rank], entry.peer_pool_blocks)
+    local_ids = local.astype(np.int32)
+    peer_ids = [np.array(ids, dtype=np.int32) for ids in request.peer_block_ids]
+    return [entry.instantiate(local_ids, peer_ids) for entry in reads]
