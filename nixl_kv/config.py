@@ -39,6 +39,10 @@ class CacheTransceiverConfig:
     agent_progress_thread: start the agent's own progress thread (NIXL's, in C++, spinning): transfers that need
         the target to progress (UCX over TCP, connection set-up) then advance while this process's Python threads
         are busy. Costs a core per rank.
+    hold_promise_ms: ctx side; a request's blocks are kept at least this long after its hold is posted, even if
+        it ends sooner (cancel, early finish). A gen rank on the same host then checks the hold board while its
+        KV READ is in flight, instead of after it: one READ round trip less per request. The price is that much
+        longer a hold on the blocks of requests that end early. 0: no promise (every gen READ checks after it).
     gil_switch_interval_us: if set, the process's GIL switch interval (``sys.setswitchinterval``) at start-up.
         Every NIXL call releases the GIL; with a Python thread that computes (a server's model loop), taking it
         back waits up to the interval, 5 ms by default. 50-200 us keeps a transfer's few calls from waiting
@@ -59,6 +63,7 @@ class CacheTransceiverConfig:
     progress_poll_us: int = 50
     agent_progress_thread: bool = False
     gil_switch_interval_us: int | None = None
+    hold_promise_ms: int = 20
 
     def __post_init__(self) -> None:
         positive = ("max_tokens_in_buffer", "num_staging_slots", "lease_ms")
@@ -72,6 +77,8 @@ class CacheTransceiverConfig:
                 raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
         if self.gil_switch_interval_us is not None and self.gil_switch_interval_us < 1:
             raise ValueError("CacheTransceiverConfig.gil_switch_interval_us must be at least 1")
+        if self.hold_promise_ms < 0:
+            raise ValueError("CacheTransceiverConfig.hold_promise_ms must not be negative")
         if self.progress_poll_us < 0:
             raise ValueError("CacheTransceiverConfig.progress_poll_us must not be negative")
         if self.direct_min_run_bytes is not None and self.direct_min_run_bytes < 0:

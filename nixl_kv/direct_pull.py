@@ -6,6 +6,9 @@ Per ctx peer the pipeline is three steps, each one posted call and one status po
 1. READ: the request's KV (and state) from the ctx pools into ours, without a notification. Gathered reads
    (whole block-major ctx segments of a slice our layout cannot take directly) READ piece by piece into a
    staging slot of ours and are unpacked here after each (SLOT: waiting for a free one).
+   A peer on the same host (one clock) is also READ its board window while the KV READ is in flight: if the
+   token is there with a promise the KV READ was seen finished within, the pull is done (``ReadDone`` then goes
+   out as a plain notification). Otherwise:
 2. CHECK: once the READ has finished, READ the request's window of the peer's hold board, with ``ReadDone`` as
    its notification (the peer releases on it). The hold token there proves the blocks were held throughout.
 3. VERDICT: only when the token is absent (released, expired, or never posted): wait for the peer's answer.
@@ -42,7 +45,10 @@ class DirectPull:
     transfer_id: int
     step: Step = Step.READ
     handle: Any = None
+    early: Any = None  # the board READ posted beside the KV READ (same-host peers); it lands in ``landing``
     landing: int | None = None  # the landing window of the hold check
+    read_seen_ns: int = 0  # when the KV READ was seen finished (CLOCK_MONOTONIC)
+    promised: bool = False  # the early check saw the hold, promised past ``read_seen_ns``
     verdict: str | None = None  # None until the peer answers; "" means ok
     posted_at: float = 0.0
     peer_blocks: tuple[int, ...] = ()  # the ctx rank's block ids of the request (gathered reads)

@@ -9,6 +9,13 @@ is still there, the blocks were held for the whole first READ, so the bytes are 
 takes part. Where the token is absent (released, expired, or never posted because its window was full), the
 reader falls back to asking the ctx rank for a verdict.
 
+Each token is posted with the time until which the rank promises not to reuse the request's blocks, whatever
+happens to the request (``hold_promise_ms``; CLOCK_MONOTONIC nanoseconds, 0 for no promise): a release before it
+is deferred until it. A reader on the same host (one clock) may then READ the window *while* its KV READ is in
+flight: if the token is there and the KV READ was seen finished before the promise ran out, no block was reused
+while it read (held from before the params left until the token was seen, kept at least until the promise), so
+the second READ leaves the critical path.
+
 A token is a keyed hash of what the rank pinned (request id, token count, its block ids, its state slot), so a
 reader that checks it also checks that it read the blocks the ctx pinned for that request, and a reader that
 does not hold the instance key cannot forge it.
@@ -26,9 +33,11 @@ import numpy as np
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 BOARD_SLOTS = 1 << 14  # distinct windows; a token lives in the window starting at ``token % BOARD_SLOTS``
-WINDOW = 8  # tokens per window: one READ of 64 bytes; a token goes to the first free entry of its window
+WINDOW = 8  # entries per window: one READ of 128 bytes; a token goes to the first free entry of its window
+ENTRY_BYTES = 16  # (token, promised-until ns masked by the token's key stream: see held_until)
 TOKEN_BYTES = 8
-WINDOW_BYTES = WINDOW * TOKEN_BYTES
+MAX_PROMISE_NS = 10 * 10**9  # a promise read as further from now than this is garbage (a torn copy)
+WINDOW_BYTES = WINDOW * ENTRY_BYTES
 KEY_BYTES = 16
 
 
@@ -47,44 +56,85 @@ def window_start(token: int, slots: int = BOARD_SLOTS) -> int:
 
 def board_slots(board: MemoryRegion) -> int:
     """Windows of a peer's board, from its size (0 for a region too small to be one)."""
-    return max(0, board.nbytes // TOKEN_BYTES - WINDOW)
+    return max(0, board.nbytes // ENTRY_BYTES - WINDOW)
 
 
-def window_holds(window: np.ndarray, token: int) -> bool:
-    """Whether a READ copy of a token's window shows the token."""
-    return bool((window == np.uint64(token)).any())
+def clock_domain() -> str:
+    """Processes that print the same value read one CLOCK_MONOTONIC: the same running kernel (its boot id) and
+    the same time-namespace offset. Empty where that cannot be told (promises are then never relied on)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        return ""
+    try:
+        with open("/proc/self/timens_offsets") as handle:  # kernels with time namespaces: this one's offsets
+            offsets = " ".join(handle.read().split())
+    except FileNotFoundError:
+        offsets = ""
+    except OSError:
+        return ""
+    return f"linux-boot:{boot};{offsets}" if boot else ""
+
+
+def promise_mask(key: bytes, token: int) -> int:
+    """What a token's promise is XORed with on the board (both sides compute it)."""
+    digest = hashlib.blake2b(token.to_bytes(TOKEN_BYTES, "little"), key=key, digest_size=TOKEN_BYTES, person=b"promise")
+    return int.from_bytes(digest.digest(), "little")
+
+
+def shows_token(window: np.ndarray, token: int) -> bool:
+    """Whether a READ copy of a token's window (``[WINDOW, 2]``) shows the token."""
+    return bool((window[:, 0] == np.uint64(token)).any())
+
+
+def promised_until(window: np.ndarray, token: int, mask: int, now_ns: int) -> int | None:
+    """A READ copy of a token's window (``[WINDOW, 2]``): None when the token is not there, else the time its
+    blocks are promised until (0: no promise).
+
+    A copy is not atomic: it may show our token beside the promise word of a token posted in the same entry
+    after ours was cleared. That word decodes (under our mask, not its own) to a pseudo-random time, which is
+    taken for no promise unless it falls within MAX_PROMISE_NS of now (odds about 1e-9, after a tear that itself
+    needs a clear and a post into that entry during the copy)."""
+    found = np.flatnonzero(window[:, 0] == np.uint64(token))
+    if not len(found):
+        return None
+    until = int(window[found[0], 1]) ^ mask
+    return until if abs(until - now_ns) <= MAX_PROMISE_NS else 0
 
 
 class HoldBoard:
     """One ctx rank's board, in DRAM (readable by every reader whatever its pools' memory)."""
 
     def __init__(self, slots: int = BOARD_SLOTS) -> None:
-        self._entries = np.zeros(slots + WINDOW, dtype=np.uint64)  # the last window wraps by overlapping the end
+        self._entries = np.zeros((slots + WINDOW, 2), dtype=np.uint64)  # the last window overlaps the end
         self._slots = slots
         self._lock = threading.Lock()
         self.region = MemoryRegion(int(self._entries.ctypes.data), self._entries.nbytes, 0, MemoryKind.DRAM)
 
-    def post(self, token: int) -> bool:
-        """Show the token; False when its window is full (its readers then ask for a verdict)."""
+    def post(self, token: int, masked_until: int = 0) -> bool:
+        """Show the token with its promise (``until_ns ^ promise_mask``); False when its window is full (its
+        readers then ask for a verdict)."""
         start = window_start(token, self._slots)
         with self._lock:
-            window = self._entries[start : start + WINDOW]
-            free = np.flatnonzero(window == 0)
+            tokens = self._entries[start : start + WINDOW, 0]
+            free = np.flatnonzero(tokens == 0)
             if not len(free):
                 return False
-            window[free[0]] = token
+            self._entries[start + free[0], 1] = masked_until
+            self._entries[start + free[0], 0] = token
             return True
 
     def clear(self, token: int) -> None:
         """Before the blocks are released: from now on no reader sees the hold."""
         start = window_start(token, self._slots)
         with self._lock:
-            window = self._entries[start : start + WINDOW]
-            window[window == np.uint64(token)] = 0
+            tokens = self._entries[start : start + WINDOW, 0]
+            tokens[tokens == np.uint64(token)] = 0
 
     @property
     def posted(self) -> int:
-        return int(np.count_nonzero(self._entries))
+        return int(np.count_nonzero(self._entries[:, 0]))
 
 
 def window_rows(address: int, count: int, stride: int, device_id: int) -> np.ndarray:
@@ -97,14 +147,14 @@ def window_rows(address: int, count: int, stride: int, device_id: int) -> np.nda
 
 def board_rows(board: MemoryRegion) -> np.ndarray:
     """Every window of a peer's board (windows overlap: one starts at every token); prepared once per peer."""
-    return window_rows(board.address, board_slots(board), TOKEN_BYTES, board.device_id)
+    return window_rows(board.address, board_slots(board), ENTRY_BYTES, board.device_id)
 
 
 class LandingRing:
     """The reader's side: registered DRAM windows that hold-check READs land in, one per check in flight."""
 
     def __init__(self, windows: int = 4096) -> None:
-        self._windows = np.zeros((windows, WINDOW), dtype=np.uint64)
+        self._windows = np.zeros((windows, WINDOW, 2), dtype=np.uint64)
         self._free = collections.deque(range(windows))
         base = int(self._windows.ctypes.data)
         self.region = MemoryRegion(base, self._windows.nbytes, 0, MemoryKind.DRAM)

@@ -27,7 +27,7 @@ from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
-from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots, hold_token, window_holds
+from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots, hold_token, promise_mask, promised_until, shows_token
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import array_module, on_device
@@ -184,6 +184,7 @@ class CacheReceiver:
         self._direct_ended = 0  # direct requests ended, ever (progress reports the difference)
         self._fixed_cost_s = 0.0  # EWMA of what direct requests took beyond their bytes at the spin rate
         self._landing = landing
+        self._clock_domain = self_state.comm.ranks[self_rank].clock_domain
         layout = cache.layout
         memory = layout.pools[0].memory
         self._spin_gbps = SPIN_GBPS[memory.value]
@@ -431,6 +432,7 @@ class CacheReceiver:
                 pull.rank.layout.pools[0].memory,
                 b"",
             )
+        self._post_early_check(pull)
         long_runs = read.coarse or (
             read.state is not None and read.state.nbytes >= LONG_RUN_BYTES * len(read.state.local_rows)
         )
@@ -532,18 +534,33 @@ class CacheReceiver:
             packed = xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(-1).view(np.uint8)
             self._formatter.unpack(self._cache.layout, self._views, local, packed)
 
+    def _post_early_check(self, pull: DirectPull) -> None:
+        """READ the hold's board window now, beside the KV READ, from a peer on our clock (see direct_pull)."""
+        if not self._clock_domain or pull.rank.clock_domain != self._clock_domain:
+            return
+        pull.landing = self._landing.take()
+        if pull.landing is None:
+            return  # every window is in use: the check after the READ will do
+        landing = np.array([pull.landing], dtype=np.int32)
+        pull.early = self._loop.agent.read(self._windows, landing, self._peers.board(pull.rank), pull.board_index, b"")
+
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
         if pull.step is Step.SLOT:
             del self._direct_queue[unit]
             self._post_piece(incoming, pull)
             return
-        status = self._loop.agent.status(pull.handle)
-        if status is TransferStatus.IN_PROGRESS:
+        agent = self._loop.agent
+        if pull.handle is not None:
+            status = agent.status(pull.handle)
+            if status is TransferStatus.IN_PROGRESS:
+                return
+            if status is TransferStatus.FAILED:
+                raise TransferError(f"{pull.step.value.split()[0]} from {pull.rank.agent_name} failed")
+            agent.release_transfer(pull.handle)
+            pull.handle = None
+            pull.read_seen_ns = time.monotonic_ns()
+        if pull.early is not None and not self._early_check_ended(incoming, pull):
             return
-        if status is TransferStatus.FAILED:
-            raise TransferError(f"{pull.step.value.split()[0]} from {pull.rank.agent_name} failed")
-        self._loop.agent.release_transfer(pull.handle)
-        pull.handle = None
         del self._direct_queue[unit]
         if pull.step is Step.READ and pull.read.gathered:
             self._unpack_piece(incoming, pull)
@@ -557,15 +574,45 @@ class CacheReceiver:
             self._transport_check(
                 pull.rank.agent_name, pull.timed_bytes, pull.posted_at, pull.posts_before, time.monotonic()
             )
-            self._post_check(incoming, pull)
+            if pull.promised:
+                self._direct_done(incoming, pull)
+                self._release_hold(incoming, pull)
+            else:
+                self._post_check(incoming, pull)
             return
-        held = window_holds(self._landing.window(pull.landing), pull.token)  # Step.CHECK finished
+        held = shows_token(self._landing.window(pull.landing), pull.token)  # Step.CHECK finished
         self._landing.give(pull.landing)
         pull.landing = None
         if held:
             self._direct_done(incoming, pull)
         else:
             self._await_verdict(incoming, pull)
+
+    def _early_check_ended(self, incoming: _Incoming, pull: DirectPull) -> bool:
+        """Once the board READ beside the KV READ is over: was the hold there, promised past the KV READ?"""
+        agent = self._loop.agent
+        status = agent.status(pull.early)
+        if status is TransferStatus.IN_PROGRESS:
+            return False
+        agent.release_transfer(pull.early)
+        pull.early = None
+        if status is TransferStatus.DONE:
+            mask = promise_mask(incoming.ctx_state.hold_key, pull.token)
+            until = promised_until(self._landing.window(pull.landing), pull.token, mask, time.monotonic_ns())
+            pull.promised = bool(until) and pull.read_seen_ns < until
+        self._landing.give(pull.landing)
+        pull.landing = None
+        return True
+
+    def _release_hold(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """After a pull the promise covered: the ReadDone that releases the blocks (nothing waits on it)."""
+        message = self._read_done_message(
+            incoming, pull.transfer_id, pull.read.expected_readers, True, True, pull.token
+        )
+        try:
+            self._loop.agent.notify(pull.rank.agent_name, message)
+        except AgentError as exc:  # the peer releases at its lease end
+            log.info("could not tell %s that request %s was read: %s", pull.rank.agent_name, incoming.key, exc)
 
     def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict.
@@ -651,12 +698,16 @@ class CacheReceiver:
             for pull in incoming.direct:
                 self._direct_queue.pop((incoming.key, pull.read.peer_rank), None)
                 self._direct_by_transfer.pop(pull.transfer_id, None)
+                peer = pull.rank.agent_name
+                landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
+                if pull.early is not None:
+                    self._abandon(incoming, pull.early, None, landing, reason, peer)
+                    landing, pull.early = None, None
                 if pull.handle is not None:
-                    self._abandon(incoming, pull.handle, pull.slot, pull.landing, reason, pull.rank.agent_name)
-                    pull.handle, pull.landing, pull.slot = None, None, None
-                elif pull.landing is not None:
-                    self._landing.give(pull.landing)
-                    pull.landing = None
+                    self._abandon(incoming, pull.handle, pull.slot, landing, reason, peer)
+                    pull.handle, pull.slot = None, None
+                elif landing is not None:
+                    self._landing.give(landing)
                 if pull.slot is not None:
                     self._staging.release(pull.slot)
                     pull.slot = None

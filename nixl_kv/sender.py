@@ -26,7 +26,7 @@ from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
-from nixl_kv.holds import HoldBoard, hold_token
+from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.progress import ContextProgress
@@ -58,6 +58,7 @@ class _Outgoing:
     announced: int = -1  # the last ready_below sent to the watchers
     token: int = 0  # its hold token (nixl_kv.holds), 0 without a board
     posted: bool = False  # the token is on the board (else its readers ask for verdicts: its window was full)
+    promised_until_ns: int = 0  # its blocks are not released before this (CLOCK_MONOTONIC), whatever happens
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class SenderContext:
     lease_ms: int
     hold_key: bytes = b""
     board: HoldBoard | None = None
+    hold_promise_ms: int = 0
 
 
 class CacheSender:
@@ -99,6 +101,7 @@ class CacheSender:
         self._leases: list[tuple[float, int, int, _Outgoing]] = []  # (deadline, order, request id, entry): a heap
         self._lease_order = itertools.count()
         self._watched: dict[int, _Outgoing] = {}  # layer-wise requests with watchers
+        self._deferred: list[tuple[int, int]] = []  # (promised until ns, request id): unpins kept to a promise
         loop.on_message(ReadDone, self._on_read_done)
         loop.on_message(StageClaim, self._on_stage_claim)
         loop.on_message(NoReaders, self._on_no_readers)
@@ -156,11 +159,11 @@ class CacheSender:
         board = self._context.board
         if board is None:
             return
-        request = entry.request
-        entry.token = hold_token(
-            self._context.hold_key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot
-        )
-        entry.posted = board.post(entry.token)
+        request, key = entry.request, self._context.hold_key
+        entry.token = hold_token(key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot)
+        promise_ms = min(self._context.hold_promise_ms, self._context.lease_ms)
+        entry.promised_until_ns = time.monotonic_ns() + promise_ms * 1_000_000 if promise_ms else 0
+        entry.posted = board.post(entry.token, entry.promised_until_ns ^ promise_mask(key, entry.token))
 
     def cancel(self, request_id: int) -> bool:
         """Stop serving a request: its blocks are released and late readers are refused."""
@@ -400,7 +403,16 @@ class CacheSender:
             )
         self._staging.expire_leases(now)  # a slot whose lease ran out while granted is poisoned, never reused
         self._replay_parked(now)
+        self.release_deferred()
         return busy or bool(self._parked)
+
+    def release_deferred(self, everything: bool = False) -> None:
+        """Unpin the requests whose promise has run out (``everything``: all of them, at close, once no READ
+        can reach this rank any more)."""
+        now_ns = time.monotonic_ns()
+        while self._deferred and (everything or self._deferred[0][0] <= now_ns):
+            _, rid = heapq.heappop(self._deferred)
+            self._cache.unpin(rid)
 
     def _finish(self, entry: _Outgoing, failure: str | None) -> None:
         """End a request: poison slots a reader may still read, unpin its blocks, resolve its future."""
@@ -414,7 +426,10 @@ class CacheSender:
         entry.request.transfer_end = time.monotonic()
         if entry.posted:
             self._context.board.clear(entry.token)  # before the blocks can be reused
-        self._cache.unpin(rid)
+        if entry.promised_until_ns > time.monotonic_ns():  # a reader may rely on the promise: keep it
+            heapq.heappush(self._deferred, (entry.promised_until_ns, rid))
+        else:
+            self._cache.unpin(rid)
         if failure is None:
             entry.future.set_result(None)
         else:

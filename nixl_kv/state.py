@@ -166,6 +166,7 @@ class RankCommInfo:
     indexer: KVLayout | None = None  # the DSA indexer-K cache (MLA), same blocks as the KV cache
     rnn: RnnLayout | None = None  # Mamba conv and SSM state (hybrid models)
     board: MemoryRegion | None = None  # the rank's hold board (nixl_kv.holds): readers check their READs on it
+    clock_domain: str = field(default="", metadata={"max_len": 128})  # ranks sharing one CLOCK_MONOTONIC: same value
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError, WireFormatError
-from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing
+from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing, clock_domain
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
@@ -116,6 +116,7 @@ class CacheTransceiver:
             indexer=indexer,
             rnn=rnn,
             board=self._board.region,
+            clock_domain=clock_domain(),
         )
         comm_state = CommState(tuple(self._comm.allgather(me)))
         self.state = DataTransceiverState(self.instance_id, cache_state, comm_state, hold_key)
@@ -132,6 +133,7 @@ class CacheTransceiver:
             self.config.lease_ms,
             hold_key,
             self._board,
+            self.config.hold_promise_ms,
         )
         self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging)
         self._receiver = CacheReceiver(
@@ -297,6 +299,7 @@ class CacheTransceiver:
         finally:
             self._loop.stop()
             self._agent.close()
+            self._sender.release_deferred(everything=True)  # no READ reaches this rank any more
             self._ctx.summary.close()
             self._gen.summary.close()
 

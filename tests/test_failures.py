@@ -379,7 +379,8 @@ def test_claims_that_arrive_before_the_ctx_rank_registers(pair_factory, register
 
 def test_a_request_the_gen_side_refuses_is_released_on_the_ctx_side_at_once() -> None:
     """An incompatible pairing fails on the gen side before any byte moves; the ctx side hears of it and
-    unpins the request's blocks then, not at the end of its (here one minute) lease."""
+    unpins the request's blocks then (once its hold promise, 20 ms, has run out), not at the end of its (here one
+    minute) lease."""
     ctx_shape, gen_shape = Shape(), dataclasses.replace(Shape(), head_dim=16)
     ctx_cache, gen_cache = ctx_shape.cache(), gen_shape.cache()
     ctx = CacheTransceiver(ctx_cache, ctx_shape.state(), CacheTransceiverConfig(lease_ms=60_000))
@@ -398,6 +399,9 @@ def test_a_request_the_gen_side_refuses_is_released_on_the_ctx_side_at_once() ->
         assert request.state is RequestState.TRANS_ERROR
         assert "a gen rank cannot read the request: ctx and gen caches differ: head_dim" in request.error
         ctx_cache.free(1)
+        give_up = time.monotonic() + 1
+        while ctx_cache.free_blocks != ctx_shape.num_blocks and time.monotonic() < give_up:
+            time.sleep(0.01)
         assert ctx_cache.free_blocks == ctx_shape.num_blocks  # unpinned: the blocks came back
     finally:
         ctx.close()

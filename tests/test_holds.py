@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 
 from nixl_kv import wire
-from nixl_kv.holds import WINDOW, HoldBoard, LandingRing, hold_token, window_holds, window_start
+from nixl_kv.holds import (
+    MAX_PROMISE_NS,
+    WINDOW,
+    HoldBoard,
+    LandingRing,
+    hold_token,
+    promise_mask,
+    promised_until,
+    shows_token,
+    window_start,
+)
 from nixl_kv.layout import LayoutKind
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
@@ -29,10 +39,10 @@ def test_a_token_shows_from_post_to_clear_and_a_full_window_refuses() -> None:
     assert all(board.post(t) for t in tokens[:WINDOW])
     assert not board.post(tokens[WINDOW])  # the window is full: that request's readers ask for verdicts
     window = board._entries[start : start + WINDOW]
-    assert sorted(int(v) for v in window) == sorted(tokens[:WINDOW])
+    assert sorted(int(v) for v in window[:, 0]) == sorted(tokens[:WINDOW])
     board.clear(tokens[3])
-    assert not window_holds(board._entries[start : start + WINDOW], tokens[3])
-    assert window_holds(board._entries[start : start + WINDOW], tokens[4])
+    assert not shows_token(board._entries[start : start + WINDOW], tokens[3])
+    assert shows_token(board._entries[start : start + WINDOW], tokens[4])
     assert board.post(tokens[WINDOW])  # the freed entry is reused
     assert board.posted == WINDOW
 
@@ -41,7 +51,7 @@ def test_the_last_window_overlaps_the_end_of_the_table() -> None:
     board = HoldBoard(slots=16)
     token = 15 + 16 * 7  # window 15: entries 15..22 of a 16 + 8 entry table
     assert all(board.post(token + 16 * 100 * i) for i in range(WINDOW))
-    assert board._entries[15 : 15 + WINDOW].tolist() == [token + 16 * 100 * i for i in range(WINDOW)]
+    assert board._entries[15 : 15 + WINDOW, 0].tolist() == [token + 16 * 100 * i for i in range(WINDOW)]
     assert len(board._entries) == 16 + WINDOW
 
 
@@ -56,6 +66,24 @@ def test_a_token_depends_on_every_input_and_the_key() -> None:
         hold_token(KEY, 7, 100, [3, 4, 5, 6], 0),
     ]
     assert len({base, *variants}) == 6
+
+
+def test_a_promise_reads_back_only_under_its_tokens_mask() -> None:
+    board, now = HoldBoard(slots=64), 10**15
+    token, other = 5 + 64, 5 + 128  # one window
+    assert board.post(token, (now + 7) ^ promise_mask(KEY, token))
+    assert board.post(other, 0 ^ promise_mask(KEY, other))  # no promise
+    window = board._entries[5 : 5 + WINDOW].copy()
+    assert promised_until(window, token, promise_mask(KEY, token), now) == now + 7
+    assert promised_until(window, other, promise_mask(KEY, other), now) == 0
+    assert promised_until(window, 5 + 192, promise_mask(KEY, 5 + 192), now) is None  # not posted
+    # a copy torn between our token and the promise of a token posted later in the same entry: garbage, no promise
+    torn = window.copy()
+    torn[0, 1] = (now + 9) ^ promise_mask(KEY, 5 + 256)
+    assert promised_until(torn, token, promise_mask(KEY, token), now) == 0
+    far = (now + MAX_PROMISE_NS + 1) ^ promise_mask(KEY, token)
+    torn[0, 1] = far
+    assert promised_until(torn, token, promise_mask(KEY, token), now) == 0
 
 
 def test_a_landing_window_is_zeroed_when_taken() -> None:
@@ -92,15 +120,61 @@ def _verdicts(pair: Pair) -> list[int]:
     return seen
 
 
-def test_the_common_case_needs_no_verdict(pair_factory) -> None:
-    pair = pair_factory()
-    verdicts = _verdicts(pair)
+def _checks_after_the_read(pair: Pair) -> list[int]:
+    """Transfer ids of the direct pulls that checked the board after their READ (no promise relied on)."""
+    receiver = pair.gen.transceiver._receiver
+    seen: list[int] = []
+    original = receiver._post_check
+
+    def spy(incoming, pull) -> None:  # noqa: ANN001
+        seen.append(pull.transfer_id)
+        original(incoming, pull)
+
+    receiver._post_check = spy
+    return seen
+
+
+@pytest.mark.parametrize("promise_ms", [5000, 0])
+def test_the_common_case_needs_no_verdict(pair_factory, promise_ms: int) -> None:
+    """With a promise, the board is read beside the KV READ (same host here) and nothing is read after it;
+    without, the board is read after the READ. Neither waits for a verdict."""
+    pair = pair_factory(ctx_config={"hold_promise_ms": promise_ms})
+    verdicts, after = _verdicts(pair), _checks_after_the_read(pair)
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE
     assert pair.mismatches(5, 1, 40) == 0 and verdicts == []
+    assert len(after) == (0 if promise_ms else 1)
     assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
     assert pair.ctx.transceiver._board.posted == 0  # cleared before the blocks were released
+
+
+@pytest.mark.parametrize("why", ["promise ran out", "another clock"])
+def test_without_a_promise_in_force_the_board_is_read_after_the_read(pair_factory, why: str) -> None:
+    pair = pair_factory(ctx_config={"hold_promise_ms": 1 if why == "promise ran out" else 5000})
+    after = _checks_after_the_read(pair)
+    if why == "another clock":
+        pair.gen.transceiver._receiver._clock_domain = "a host of its own"
+    ctx_request = pair.prefill(1, 40)
+    time.sleep(0.05)
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert pair.mismatches(5, 1, 40) == 0 and len(after) == 1
+
+
+def test_blocks_of_a_request_ended_early_stay_pinned_until_its_promise(pair_factory) -> None:
+    """A ctx cancel right after the params left: a reader on the same host may already rely on the promise,
+    so the blocks go back to the pool only when it runs out."""
+    pair = pair_factory(ctx_config={"hold_promise_ms": 400})
+    cache = pair.ctx.cache
+    free_before = cache.free_blocks
+    request = pair.prefill(1, 40)  # 3 blocks of 16 tokens
+    assert pair.ctx.transceiver.cancel_request(request)
+    cache.free(1)
+    assert cache.free_blocks == free_before - 3
+    time.sleep(0.6)
+    assert cache.free_blocks == free_before
 
 
 @pytest.mark.parametrize("why", ["ctx window full", "no landing window"])
@@ -108,7 +182,7 @@ def test_without_a_hold_check_the_ctx_verdict_decides(pair_factory, why: str) ->
     pair = pair_factory()
     verdicts = _verdicts(pair)
     if why == "ctx window full":
-        pair.ctx.transceiver._board.post = lambda token: False
+        pair.ctx.transceiver._board.post = lambda token, masked=0: False
     else:
         ring = pair.gen.transceiver._landing
         taken = [index for index in iter(ring.take, None)]

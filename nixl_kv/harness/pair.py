@@ -35,6 +35,9 @@ PLACEMENTS = ("default", "split")  # GPUs: ranks in order, ctx first; or every c
 LAYOUTS = {"block_major": "block_major", "nhd": "per_layer_nhd", "hnd": "per_layer_hnd"}
 
 
+CTX_HEADROOM_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     """One instance's SPEC: ``tp=,pp=,cp=,dp=`` (dp 0/1: attention DP), ``layers=3:3:2:2`` (uneven PP split)
@@ -261,6 +264,13 @@ def _mpiexec() -> str:
     return found
 
 
+def _rounds_held(round_bytes: int) -> int:
+    """Rounds of ctx blocks the pools hold: a round's blocks come back only when their hold promise runs out
+    (``hold_promise_ms``), and a round that waited for them would start idle (this VM then ran a request 2x
+    slower). Up to 64 rounds within CTX_HEADROOM_BYTES."""
+    return max(1, min(64, CTX_HEADROOM_BYTES // max(1, round_bytes)))
+
+
 def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     """Run the pair; ``progress(text)`` is called as work advances."""
     say = progress or (lambda _text: None)
@@ -270,7 +280,9 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     if options.model.indexer_dim and options.model.attention != "mla":
         raise NotSupportedError("the indexer-K cache (--indexer-dim) belongs to MLA models (--attention mla)")
     model = replace(options.model, num_slots=len(options.requests))
-    ctx_spec = replace(options.ctx.instance(model, blocks), timeout_ms=None)  # a gen-side deadline
+    held = _rounds_held(blocks * options.model.tokens_per_block * options.model.kv_bytes_per_token)
+    ctx_model = replace(model, num_slots=model.num_slots * held)
+    ctx_spec = replace(options.ctx.instance(ctx_model, blocks * held), timeout_ms=None)  # a gen-side deadline
     gen_spec = replace(options.gen.instance(model, blocks), gpu_base=ctx_spec.world_size)
     if options.placement == "split":  # mismatched TP on two GPUs: the link between ctx and gen, not within
         ctx_spec, gen_spec = replace(ctx_spec, one_gpu=True), replace(gen_spec, gpu_base=1, one_gpu=True)

@@ -27,6 +27,7 @@ from nixl_kv.cache import PagedKVCache
 from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
+from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.memory import allocate, array_module, region_of
@@ -205,6 +206,9 @@ class InstanceSpec:
         return index % self.tp if self.dp else 0
 
 
+ALLOCATE_WAIT_S = 5.0
+
+
 def _layers(where: Slice) -> range:
     return range(where.layer_start, where.layer_start + where.num_layers)
 
@@ -262,10 +266,18 @@ class Instance:
         )
 
     def allocate(self, request_id: int, num_tokens: int) -> Slice:
-        """Blocks for this rank's share of the request (none when its CP share is empty)."""
+        """Blocks for this rank's share of the request (none when its CP share is empty). The pools hold one
+        round: the last round's ctx blocks come back when their hold promise runs out (``hold_promise_ms``)."""
         where = self.where(num_tokens)
-        self.cache.allocate(request_id, where.num_tokens)
-        return where
+        deadline = time.monotonic() + ALLOCATE_WAIT_S
+        while True:
+            try:
+                self.cache.allocate(request_id, where.num_tokens)
+                return where
+            except BufferExhaustedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1e-3)
 
     # --- ctx ---------------------------------------------------------------------------------------------
     def send(self, requests: list[list[int]]) -> list[tuple[int, str]]:
