@@ -29,7 +29,10 @@ class Outcome:
 def reduce_outcomes(
     comm: CacheTransceiverComm, completed: set[int], failed: set[int], timed_out: set[int] = frozenset()
 ) -> Outcome:
-    """One allgather over ``comm``: each rank contributes (request id, vote) pairs."""
+    """One allgather over ``comm``: each rank contributes (request id, vote) pairs. Alone, a rank's own votes
+    are the outcome (the same sets the counting below gives, without it)."""
+    if comm.size == 1:
+        return Outcome((completed - failed) - timed_out, failed | (completed & timed_out), set(timed_out))
     votes = [(rid, Vote.COMPLETED) for rid in completed - failed]
     votes += [(rid, Vote.FAILED) for rid in failed] + [(rid, Vote.TIMED_OUT) for rid in timed_out]
     gathered = [pair for rank_votes in comm.allgather(votes) for pair in rank_votes] if comm.size > 1 else votes

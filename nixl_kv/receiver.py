@@ -9,6 +9,7 @@ poisoned.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -16,6 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +186,7 @@ class CacheReceiver:
         self._direct_ended = 0  # direct requests ended, ever (progress reports the difference)
         self._fixed_cost_s = 0.0  # EWMA of what direct requests took beyond their bytes at the spin rate
         self._landing = landing
+        self._release_notices: collections.deque[Callable[[], None]] = collections.deque()
         self._clock_domain = self_state.comm.ranks[self_rank].clock_domain
         layout = cache.layout
         memory = layout.pools[0].memory
@@ -605,14 +608,25 @@ class CacheReceiver:
         return True
 
     def _release_hold(self, incoming: _Incoming, pull: DirectPull) -> None:
-        """After a pull the promise covered: the ReadDone that releases the blocks (nothing waits on it)."""
-        message = self._read_done_message(
-            incoming, pull.transfer_id, pull.read.expected_readers, True, True, pull.token
+        """After a pull the promise covered: the ReadDone that releases the blocks. Nothing waits on it (the
+        promise holds the blocks meanwhile), so the loop thread sends it at its next tick, within its idle wait
+        (2 ms): woken for it, it would take the GIL from the caller just as the caller returns."""
+        key, peer, transfer_id, readers, token = (
+            incoming.key,
+            pull.rank.agent_name,
+            pull.transfer_id,
+            pull.read.expected_readers,
+            pull.token,
         )
-        try:
-            self._loop.agent.notify(pull.rank.agent_name, message)
-        except AgentError as exc:  # the peer releases at its lease end
-            log.info("could not tell %s that request %s was read: %s", pull.rank.agent_name, incoming.key, exc)
+
+        def send() -> None:
+            message = self._read_done_message(key, transfer_id, readers, True, True, token)
+            try:
+                self._loop.agent.notify(peer, message)
+            except AgentError as exc:  # the peer releases at its lease end
+                log.info("could not tell %s that request %s was read: %s", peer, key, exc)
+
+        self._release_notices.append(send)
 
     def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict.
@@ -621,7 +635,7 @@ class CacheReceiver:
         pull.landing = self._landing.take()
         checks_hold = pull.landing is not None
         notification = self._read_done_message(
-            incoming, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
+            incoming.key, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
         )
         if not checks_hold:
             self._loop.agent.notify(pull.rank.agent_name, notification)
@@ -751,6 +765,7 @@ class CacheReceiver:
 
     # --- progress loop ----------------------------------------------------------------------------------
     def _tick(self, now: float) -> bool:
+        self._send_release_notices()
         neglected = self._direct_queue and now - self._caller_polled_at > CALLER_HANDOFF_S
         if neglected:  # nobody polls: the loop thread finishes direct pulls (an embedder that checks rarely)
             self.progress(from_caller=False)
@@ -997,11 +1012,11 @@ class CacheReceiver:
         peer.slot = None
 
     def _read_done(self, incoming: _Incoming, peer: _PeerPull, transfer: _Transfer, final: bool) -> bytes:
-        return self._read_done_message(incoming, transfer.transfer_id, peer.full.expected_readers, final, False)
+        return self._read_done_message(incoming.key, transfer.transfer_id, peer.full.expected_readers, final, False)
 
     def _read_done_message(
         self,
-        incoming: _Incoming,
+        key: RequestKey,
         transfer_id: int,
         expected_readers: int,
         final: bool,
@@ -1012,8 +1027,8 @@ class CacheReceiver:
         """``failure``: the reader gives up (a ``ReadDone(failed)``, so the ctx rank need not wait its lease)."""
         return wire.encode(
             ReadDone(
-                ctx_instance_id=incoming.key[0],
-                request_id=incoming.key[1],
+                ctx_instance_id=key[0],
+                request_id=key[1],
                 transfer_id=transfer_id,
                 reader_metadata=self._metadata,
                 expected_readers=expected_readers,
@@ -1101,7 +1116,7 @@ class CacheReceiver:
         except AgentError as exc:
             log.info("could not reach %s to report request %s failed: %s", rank.agent_name, incoming.key, exc)
             return
-        message = self._read_done_message(incoming, transfer_id, expected_readers, True, False, failure=reason)
+        message = self._read_done_message(incoming.key, transfer_id, expected_readers, True, False, failure=reason)
         try:
             self._loop.agent.notify(rank.agent_name, message)
         except AgentError as exc:
@@ -1123,8 +1138,13 @@ class CacheReceiver:
         else:
             incoming.future.set_exception(TransferError(failure))
 
+    def _send_release_notices(self) -> None:
+        while self._release_notices:
+            self._release_notices.popleft()()
+
     def close(self) -> None:
-        """Fail every request still in flight (the loop is about to stop)."""
+        """Send the releases owed, fail every request still in flight (the loop is about to stop)."""
+        self._send_release_notices()
         with self._lock:
             active = list(self._active.values())
         for incoming in active:
