@@ -1,8 +1,11 @@
 """Pack and unpack kernels: a box of a rank's pools to and from a flat staging buffer.
 
 The packed order is ``[layer, kv, head, block, token, dim]`` (what ``views.gather`` returns), whatever the pool
-layout, so two ranks with different layouts exchange boxes. On VRAM one CUDA kernel launch per box and
-direction (cupy RawKernel, one thread per element, every element width); on DRAM numpy gather/scatter.
+layout, so two ranks with different layouts exchange boxes. Unpacking also takes whole block-major segments,
+``[block, layer, kv, head, token, dim]`` (``segments=True``: what a gathered READ lands), without a transpose
+first. On VRAM one CUDA kernel launch per box and direction (cupy RawKernel); each thread moves 16 bytes where a
+head's row of ``dim`` elements is a multiple of 16 bytes (every model here), else one element. On DRAM numpy
+gather/scatter.
 """
 
 from __future__ import annotations
@@ -21,17 +24,25 @@ extern "C" __global__ void copy_box(
     const unsigned long long* pools, const long long* blocks, ELEM* packed, long long total,
     int layer_start, int kv_factor, int head_start, int num_heads, int num_blocks, int tokens, int dim,
     long long s_block, long long s_layer, long long s_kv, long long s_head, long long s_token,
-    int per_layer_pools, int to_pools)
+    int per_layer_pools, int to_pools, int num_layers, int segments)
 {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         long long r = i;
         int d = r % dim; r /= dim;
         int t = r % tokens; r /= tokens;
-        int b = r % num_blocks; r /= num_blocks;
-        int h = r % num_heads + head_start; r /= num_heads;
-        int k = r % kv_factor;
-        int l = r / kv_factor + layer_start;
+        int b, h, k, l;
+        if (segments) {  /* [block, layer, kv, head, token, dim] */
+            h = r % num_heads + head_start; r /= num_heads;
+            k = r % kv_factor; r /= kv_factor;
+            l = r % num_layers + layer_start;
+            b = r / num_layers;
+        } else {  /* [layer, kv, head, block, token, dim] */
+            b = r % num_blocks; r /= num_blocks;
+            h = r % num_heads + head_start; r /= num_heads;
+            k = r % kv_factor;
+            l = r / kv_factor + layer_start;
+        }
         long long offset = blocks[b] * s_block + h * s_head + t * s_token + d;
         ELEM* pool;
         if (per_layer_pools) {
@@ -44,7 +55,8 @@ extern "C" __global__ void copy_box(
     }
 }
 """
-_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "uint4"}
+VECTOR_BYTES = 16
 
 
 @cache
@@ -64,30 +76,62 @@ def _element_strides(layout: KVLayout) -> tuple[int, int, int, int, int]:
 
 
 def copy_box(
-    layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range, flat: Any, to_pools: bool
+    layout: KVLayout,
+    views: list[Any],
+    blocks: Any,
+    layers: range,
+    heads: range,
+    flat: Any,
+    to_pools: bool,
+    segments: bool = False,
 ) -> int:
     """Pack the box into ``flat`` (bytes) or, with ``to_pools``, unpack it from there; returns the bytes moved.
-    The work is finished when this returns (a peer may read the packed bytes at once)."""
+    ``segments``: ``flat`` holds the box as whole block-major segments (unpacking only). The work is finished
+    when this returns (a peer may read the packed bytes at once)."""
     count = len(layers) * layout.kv_factor * len(heads) * len(blocks) * layout.tokens_per_block * layout.head_dim
     nbytes = count * layout.itemsize
     with on_device(layout.pools[0]):
         if layout.pools[0].memory is MemoryKind.DRAM:
-            if to_pools:
-                scatter(layout, views, blocks, layers, heads, flat[:nbytes].view(views[0].dtype))
-            else:
-                flat[:nbytes] = gather(layout, views, blocks, layers, heads).reshape(-1).view(np.uint8)
+            _copy_box_numpy(layout, views, blocks, layers, heads, flat[:nbytes], to_pools, segments)
             return nbytes
         cupy = array_module(MemoryKind.VRAM)
         pools = cupy.asarray([pool.address for pool in layout.pools], dtype=cupy.uint64)
         block_ids = cupy.asarray(np.asarray(blocks, dtype=np.int64))
-        packed = flat[:nbytes].view(views[0].dtype)
+        unit = _unit_bytes(layout, flat.data.ptr)
+        per_unit = unit // layout.itemsize  # elements one thread moves (strides are whole rows: they divide)
+        units = count // per_unit
         threads = 256
-        grid = max(1, min((count + threads - 1) // threads, 65535 * 8))
+        grid = max(1, min((units + threads - 1) // threads, 65535 * 8))
         args = (
-            pools, block_ids, packed, np.int64(count), np.int32(layers.start), np.int32(layout.kv_factor),
+            pools, block_ids, flat[:nbytes], np.int64(units), np.int32(layers.start), np.int32(layout.kv_factor),
             np.int32(heads.start), np.int32(len(heads)), np.int32(len(blocks)), np.int32(layout.tokens_per_block),
-            np.int32(layout.head_dim), *(np.int64(s) for s in _element_strides(layout)),
-            np.int32(layout.kind is not LayoutKind.BLOCK_MAJOR), np.int32(to_pools),
+            np.int32(layout.head_dim // per_unit), *(np.int64(s // per_unit) for s in _element_strides(layout)),
+            np.int32(layout.kind is not LayoutKind.BLOCK_MAJOR), np.int32(to_pools), np.int32(len(layers)),
+            np.int32(segments),
         )  # fmt: skip
-        _kernel(layout.itemsize)((grid,), (threads,), args)
+        _kernel(unit)((grid,), (threads,), args)
     return nbytes
+
+
+def _unit_bytes(layout: KVLayout, flat_address: int) -> int:
+    """16-byte vectors where a row of ``dim`` elements, the buffer and every pool start allow them, else one
+    element."""
+    row = layout.head_dim * layout.itemsize
+    starts = [flat_address, *(pool.address for pool in layout.pools)]
+    aligned = all(address % VECTOR_BYTES == 0 for address in starts)
+    return VECTOR_BYTES if row % VECTOR_BYTES == 0 and aligned else layout.itemsize
+
+
+def _copy_box_numpy(
+    layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range, flat: Any, to_pools: bool, segments
+) -> None:
+    if not to_pools:
+        if segments:
+            raise ValueError("packing writes the packed order only")
+        flat[:] = gather(layout, views, blocks, layers, heads).reshape(-1).view(np.uint8)
+        return
+    values = flat.view(views[0].dtype)
+    if segments:  # [block, layer, kv, head, token, dim] -> the packed order
+        shape = (len(blocks), len(layers), layout.kv_factor, len(heads), layout.tokens_per_block, layout.head_dim)
+        values = np.ascontiguousarray(values.reshape(shape).transpose(1, 2, 3, 0, 4, 5))
+    scatter(layout, views, blocks, layers, heads, values)

@@ -232,8 +232,8 @@ class StandardFormatter(Formatter):
     def pack(self, layout: KVLayout, views: list[Any], box: LocalBox, out: Any) -> int:
         return copy_box(layout, views, box.block_ids, box.layers, box.heads, out, to_pools=False)
 
-    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
-        copy_box(layout, views, box.block_ids, box.layers, box.heads, data, to_pools=True)
+    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any, segments: bool = False) -> None:
+        copy_box(layout, views, box.block_ids, box.layers, box.heads, data, to_pools=True, segments=segments)
 
 
 def _heads(state: CacheState) -> int:

@@ -243,5 +243,6 @@ class Formatter(ABC):
         """Copy the box into the flat byte array ``out`` (one vectorised pass); returns the bytes written."""
 
     @abstractmethod
-    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any) -> None:
-        """Write packed bytes (as produced by the peer's ``pack``) into the local pools."""
+    def unpack(self, layout: KVLayout, views: list[Any], box: LocalBox, data: Any, segments: bool = False) -> None:
+        """Write packed bytes (as produced by the peer's ``pack``) into the local pools; ``segments``: ``data`` is
+        whole block-major segments ``[block, layer, kv, head, token, dim]`` instead (a gathered READ)."""

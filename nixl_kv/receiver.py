@@ -32,7 +32,7 @@ from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSup
 from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots, hold_token, promise_mask, promised_until, shows_token
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
-from nixl_kv.memory import array_module, on_device
+from nixl_kv.memory import on_device
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.plan_cache import PlanCache
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
@@ -524,18 +524,14 @@ class CacheReceiver:
         pull.posted_at, pull.posts_before = time.monotonic(), self._posts
 
     def _unpack_piece(self, incoming: _Incoming, pull: DirectPull) -> None:
-        """The piece's ctx segments ``[block, layer, kv, head, token, dim]`` into the packed order the formatter
-        unpacks (``[layer, kv, head, block, token, dim]``), then into our pools; done before the slot is reused."""
+        """The piece's whole ctx segments ``[block, layer, kv, head, token, dim]`` into our pools (one kernel on a
+        GPU), done before the slot is reused."""
         box, layout = pull.read.pieces[pull.piece], pull.rank.layout
         blocks = self._local_blocks(incoming.request.request_id)
         local = self._formatter.localize(self._self_state.cache, self._self_rank, box, incoming.num_blocks, blocks)
-        dtype = self._views[0].dtype
-        shape = (len(box.blocks), len(box.layers), layout.kv_factor, len(box.heads), layout.tokens_per_block)
-        data = pull.slot.array[: layout.segment_bytes * len(box.blocks)].view(dtype).reshape(*shape, layout.head_dim)
-        xp = array_module(pull.slot.region.memory)
-        with on_device(pull.slot.region):  # this thread's GPU is the slot's; finished before the slot is reused
-            packed = xp.ascontiguousarray(data.transpose(1, 2, 3, 0, 4, 5)).reshape(-1).view(np.uint8)
-            self._formatter.unpack(self._cache.layout, self._views, local, packed)
+        data = pull.slot.array[: layout.segment_bytes * len(box.blocks)]
+        with on_device(pull.slot.region):  # this thread's GPU is the slot's
+            self._formatter.unpack(self._cache.layout, self._views, local, data, segments=True)
 
     def _post_early_check(self, pull: DirectPull) -> None:
         """READ the hold's board window now, beside the KV READ, from a peer on our clock (see direct_pull)."""
