@@ -56,6 +56,7 @@ CALLER_HANDOFF_S = 1e-3  # the loop thread progresses direct pulls the caller's 
 SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a caller spins before it sleeps
 SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
+EARLY_CHECK_SECONDS = 10e-3  # READs expected (at SPIN_GBPS) to take longer check the board after they end
 
 
 @dataclass
@@ -534,8 +535,11 @@ class CacheReceiver:
             self._formatter.unpack(self._cache.layout, self._views, local, data, segments=True)
 
     def _post_early_check(self, pull: DirectPull) -> None:
-        """READ the hold's board window now, beside the KV READ, from a peer on our clock (see direct_pull)."""
+        """READ the hold's board window now, beside the KV READ, from a peer on our clock (see direct_pull), for
+        READs short enough to end within a promise (a longer one gains little and would outlive it)."""
         if not self._clock_domain or pull.rank.clock_domain != self._clock_domain:
+            return
+        if pull.nbytes > EARLY_CHECK_SECONDS * self._spin_gbps * 1e9:
             return
         pull.landing = self._landing.take()
         if pull.landing is None:
