@@ -57,6 +57,7 @@ SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a
 SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
 EARLY_CHECK_SECONDS = 10e-3  # READs expected (at SPIN_GBPS) to take longer check the board after they end
+EARLY_CHECK_QUEUE = 8  # nor do READs posted behind this many direct pulls in flight
 
 
 @dataclass
@@ -539,8 +540,8 @@ class CacheReceiver:
         READs short enough to end within a promise (a longer one gains little and would outlive it)."""
         if not self._clock_domain or pull.rank.clock_domain != self._clock_domain:
             return
-        if pull.nbytes > EARLY_CHECK_SECONDS * self._spin_gbps * 1e9:
-            return
+        if pull.nbytes > EARLY_CHECK_SECONDS * self._spin_gbps * 1e9 or len(self._direct_queue) >= EARLY_CHECK_QUEUE:
+            return  # a long READ, or one queued behind a burst: it would be seen done too late to gain
         pull.landing = self._landing.take()
         if pull.landing is None:
             return  # every window is in use: the check after the READ will do
