@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_PREFIX = "NIXL_KV_"
+MAX_HOLD_PROMISE_MS = 10_000  # readers take a promise further than 10 s from now for a torn copy (nixl_kv.holds)
 DIRECT_MIN_RUN_BYTES = {"DRAM": 8 << 10, "VRAM": 1 << 20}  # measured defaults, see direct_min_run_bytes
 
 
@@ -42,7 +43,11 @@ class CacheTransceiverConfig:
     hold_promise_ms: ctx side; a request's blocks are kept at least this long after its hold is posted, even if
         it ends sooner (cancel, early finish). A gen rank on the same host then checks the hold board while its
         KV READ is in flight, instead of after it: one READ round trip less per request. The price is that much
-        longer a hold on the blocks of requests that end early. 0: no promise (every gen READ checks after it).
+        longer a hold on the blocks of requests that end early: a ctx request's future ends when its readers are
+        done, and its blocks come back to the cache at most this long after it was responded. 0: no promise (every
+        gen READ checks after it). At most 10000. The gen side trusts a promise only from a process on its clock:
+        the same boot id and time-namespace offsets. VMs restored from one snapshot share a boot id but not the
+        clock: set 0 there.
     gil_switch_interval_us: if set, the process's GIL switch interval (``sys.setswitchinterval``) at start-up.
         Posting a NIXL transfer releases the GIL; with a Python thread that computes (a server's model loop),
         taking it back waits up to the interval, 5 ms by default (measured: 5.3 ms per post, while status checks,
@@ -78,8 +83,8 @@ class CacheTransceiverConfig:
                 raise ValueError(f"CacheTransceiverConfig.{name} must be at least 1 ms, got {value}")
         if self.gil_switch_interval_us is not None and self.gil_switch_interval_us < 1:
             raise ValueError("CacheTransceiverConfig.gil_switch_interval_us must be at least 1")
-        if self.hold_promise_ms < 0:
-            raise ValueError("CacheTransceiverConfig.hold_promise_ms must not be negative")
+        if not 0 <= self.hold_promise_ms <= MAX_HOLD_PROMISE_MS:
+            raise ValueError(f"CacheTransceiverConfig.hold_promise_ms must be within 0..{MAX_HOLD_PROMISE_MS}")
         if self.progress_poll_us < 0:
             raise ValueError("CacheTransceiverConfig.progress_poll_us must not be negative")
         if self.direct_min_run_bytes is not None and self.direct_min_run_bytes < 0:

@@ -80,6 +80,11 @@ class ProgressLoop:
             return function()
         return self.submit(function).result(timeout=timeout_s)
 
+    @property
+    def stopped(self) -> bool:
+        """The loop thread has ended (nothing runs on it any more)."""
+        return not self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
         self._thread.join(timeout=timeout_s)

@@ -115,7 +115,11 @@ class PlanCache:
             request.peer_rnn_slot is None,
         )
         template = self._templates.get(key)
-        if template is None or template.peer_state is not request.peer_state:
+        if template is not None and template.peer_state is request.peer_state:
+            with self._lock:
+                if key in self._templates:
+                    self._templates.move_to_end(key)  # least recently used goes first
+        else:
             template = self._build(request)
             with self._lock:
                 self._templates[key] = template

@@ -579,8 +579,8 @@ class CacheReceiver:
                 pull.rank.agent_name, pull.timed_bytes, pull.posted_at, pull.posts_before, time.monotonic()
             )
             if pull.promised:
+                self._release_hold(incoming, pull)  # queued first: it goes out even if ending the request fails
                 self._direct_done(incoming, pull)
-                self._release_hold(incoming, pull)
             else:
                 self._post_check(incoming, pull)
             return
@@ -1144,7 +1144,8 @@ class CacheReceiver:
             self._release_notices.popleft()()
 
     def close(self) -> None:
-        """Send the releases owed, fail every request still in flight (the loop is about to stop)."""
+        """Send the releases owed, fail every request still in flight (the loop is about to stop), then send what
+        a caller's thread finished meanwhile."""
         self._send_release_notices()
         with self._lock:
             active = list(self._active.values())
@@ -1153,3 +1154,4 @@ class CacheReceiver:
                 self._fail_direct(incoming, "the transceiver was closed")
             else:
                 self._fail(incoming, "the transceiver was closed")
+        self._send_release_notices()

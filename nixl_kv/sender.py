@@ -426,7 +426,7 @@ class CacheSender:
         entry.request.transfer_end = time.monotonic()
         if entry.posted:
             self._context.board.clear(entry.token)  # before the blocks can be reused
-        if entry.promised_until_ns > time.monotonic_ns():  # a reader may rely on the promise: keep it
+        if entry.posted and entry.promised_until_ns > time.monotonic_ns():  # a reader may rely on it: keep it
             heapq.heappush(self._deferred, (entry.promised_until_ns, rid))
         else:
             self._cache.unpin(rid)

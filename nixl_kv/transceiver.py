@@ -298,10 +298,20 @@ class CacheTransceiver:
             log.warning("closing: %s", exc)
         finally:
             self._loop.stop()
-            self._agent.close()
-            self._sender.release_deferred(everything=True)  # no READ reaches this rank any more
+            try:
+                self._agent.close()
+            finally:
+                self._release_deferred_at_close()
             self._ctx.summary.close()
             self._gen.summary.close()
+
+    def _release_deferred_at_close(self) -> None:
+        """Blocks kept to a hold promise go back now: the agent is closed, no READ reaches this rank any more. Not
+        while the loop thread still runs (it did not stop in time): it releases them itself."""
+        if self._loop.stopped:
+            self._sender.release_deferred(everything=True)
+        else:
+            log.error("the progress loop is still running: blocks kept to hold promises are left to it")
 
     def __enter__(self) -> CacheTransceiver:
         return self
