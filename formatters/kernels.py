@@ -95,7 +95,7 @@ def copy_box(
             _copy_box_numpy(layout, views, blocks, layers, heads, flat[:nbytes], to_pools, segments)
             return nbytes
         cupy = array_module(MemoryKind.VRAM)
-        pools = cupy.asarray([pool.address for pool in layout.pools], dtype=cupy.uint64)
+        pools = _pool_table(tuple(pool.address for pool in layout.pools), layout.pools[0].device_id)
         block_ids = cupy.asarray(np.asarray(blocks, dtype=np.int64))
         unit = _unit_bytes(layout, flat.data.ptr)
         per_unit = unit // layout.itemsize  # elements one thread moves (strides are whole rows: they divide)
@@ -111,6 +111,13 @@ def copy_box(
         )  # fmt: skip
         _kernel(unit)((grid,), (threads,), args)
     return nbytes
+
+
+@cache
+def _pool_table(addresses: tuple[int, ...], device_id: int) -> Any:
+    """The pools' addresses on the device, uploaded once per pool set (not per box)."""
+    cupy = array_module(MemoryKind.VRAM)
+    return cupy.asarray(addresses, dtype=cupy.uint64)
 
 
 def _unit_bytes(layout: KVLayout, flat_address: int) -> int:

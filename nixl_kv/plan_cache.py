@@ -61,7 +61,6 @@ class _Indices:
 class _ReadTemplate:
     read: PeerRead
     cp_rank: int  # whose block ids the ctx side of this read uses
-    peer_pool_blocks: int  # the ctx rank's pool size: its block ids must fall inside
     local: _Indices | None = None
     remote: _Indices | None = None
 
@@ -87,6 +86,7 @@ class _ReadTemplate:
 class _Template:
     peer_state: DataTransceiverState  # the key holds its id(): the template keeps it alive and checks it
     reads: tuple[_ReadTemplate, ...] | None  # None: requests of this key are planned from scratch
+    pool_blocks: tuple[tuple[int, int], ...] = ()  # (ctx CP rank, smallest pool of the ranks read with its ids)
 
 
 class PlanCache:
@@ -127,7 +127,7 @@ class PlanCache:
                     self._templates.popitem(last=False)
         if template.reads is None:
             return self._planner(request)
-        return _instantiate(template.reads, request)
+        return _instantiate(template, request)
 
     def _build(self, request: ReadRequest) -> _Template:
         """Plan with positions for block ids; a plan that is more than indices of block ids is not a template."""
@@ -143,10 +143,12 @@ class PlanCache:
         if any(read.state is not None for read in plan):
             return _Template(request.peer_state, None)
         ranks, parallel = request.peer_state.comm.ranks, request.peer_state.cache.parallel
-        reads = []
+        reads, pool_blocks = [], {}
         for read in plan:
             peer = ranks[read.peer_rank].layout
-            entry = _ReadTemplate(read, position(parallel, read.peer_rank).cp_rank, peer.num_blocks)
+            entry = _ReadTemplate(read, position(parallel, read.peer_rank).cp_rank)
+            if read.expected_readers and read.has_kv:  # its block ids are read: they must lie in that pool
+                pool_blocks[entry.cp_rank] = min(peer.num_blocks, pool_blocks.get(entry.cp_rank, peer.num_blocks))
             if read.local_indices is not None and read.remote_indices is not None:
                 entry = dataclasses.replace(
                     entry,
@@ -154,16 +156,15 @@ class PlanCache:
                     remote=_Indices.of(read.remote_indices, peer, read.coarse),
                 )
             reads.append(entry)
-        return _Template(request.peer_state, tuple(reads))
+        return _Template(request.peer_state, tuple(reads), tuple(pool_blocks.items()))
 
 
-def _instantiate(reads: tuple[_ReadTemplate, ...], request: ReadRequest) -> list[PeerRead]:
+def _instantiate(template: _Template, request: ReadRequest) -> list[PeerRead]:
     """The template with the request's block ids, checked as the formatter checks them."""
     local = np.asarray(request.local_block_ids)
     check_block_range("gen block id", local, request.self_layout.num_blocks)
-    for entry in reads:
-        if entry.read.expected_readers and entry.read.has_kv:
-            check_block_range("ctx block id", request.peer_block_ids[entry.cp_rank], entry.peer_pool_blocks)
+    for cp_rank, pool_blocks in template.pool_blocks:
+        check_block_range("ctx block id", request.peer_block_ids[cp_rank], pool_blocks)
     local_ids = local.astype(np.int32)
     peer_ids = [np.array(ids, dtype=np.int32) for ids in request.peer_block_ids]
-    return [entry.instantiate(local_ids, peer_ids) for entry in reads]
+    return [entry.instantiate(local_ids, peer_ids) for entry in template.reads]

@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +117,17 @@ class _PeerPull:
         return not self.layerwise or self.planned_below >= self.full.layers.stop
 
 
+@dataclass(frozen=True)
+class _ReleaseNotice:
+    """A ReadDone owed to a peer after a pull its promise covered (sent by the progress loop)."""
+
+    peer: str
+    key: RequestKey
+    transfer_id: int
+    readers: int
+    token: int
+
+
 @dataclass
 class _Stuck:
     """A READ the agent could not cancel: its destination stays poisoned (blocks pinned, slot held back)."""
@@ -188,7 +198,7 @@ class CacheReceiver:
         self._direct_ended = 0  # direct requests ended, ever (progress reports the difference)
         self._fixed_cost_s = 0.0  # EWMA of what direct requests took beyond their bytes at the spin rate
         self._landing = landing
-        self._release_notices: collections.deque[Callable[[], None]] = collections.deque()
+        self._release_notices: collections.deque[_ReleaseNotice] = collections.deque()
         self._clock_domain = self_state.comm.ranks[self_rank].clock_domain
         layout = cache.layout
         memory = layout.pools[0].memory
@@ -543,10 +553,8 @@ class CacheReceiver:
         if pull.nbytes > EARLY_CHECK_SECONDS * self._spin_gbps * 1e9 or len(self._direct_queue) >= EARLY_CHECK_QUEUE:
             return  # a long READ, or one queued behind a burst: it would be seen done too late to gain
         pull.landing = self._landing.take()
-        if pull.landing is None:
-            return  # every window is in use: the check after the READ will do
-        landing = np.array([pull.landing], dtype=np.int32)
-        pull.early = self._loop.agent.read(self._windows, landing, self._peers.board(pull.rank), pull.board_index, b"")
+        if pull.landing is not None:  # else every window is in use: the check after the READ will do
+            pull.early = self._read_board(pull, b"")
 
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
         if pull.step is Step.SLOT:
@@ -612,22 +620,9 @@ class CacheReceiver:
         """After a pull the promise covered: the ReadDone that releases the blocks. Nothing waits on it (the
         promise holds the blocks meanwhile), so the loop thread sends it at its next tick, within its idle wait
         (2 ms): woken for it, it would take the GIL from the caller just as the caller returns."""
-        key, peer, transfer_id, readers, token = (
-            incoming.key,
-            pull.rank.agent_name,
-            pull.transfer_id,
-            pull.read.expected_readers,
-            pull.token,
+        self._release_notices.append(
+            _ReleaseNotice(pull.rank.agent_name, incoming.key, pull.transfer_id, pull.read.expected_readers, pull.token)
         )
-
-        def send() -> None:
-            message = self._read_done_message(key, transfer_id, readers, True, True, token)
-            try:
-                self._loop.agent.notify(peer, message)
-            except AgentError as exc:  # the peer releases at its lease end
-                log.info("could not tell %s that request %s was read: %s", peer, key, exc)
-
-        self._release_notices.append(send)
 
     def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 2: READ the peer's hold board, the ReadDone riding on it; no free window: ask for a verdict.
@@ -642,15 +637,16 @@ class CacheReceiver:
             self._loop.agent.notify(pull.rank.agent_name, notification)
             self._await_verdict(incoming, pull)
             return
-        pull.handle = self._loop.agent.read(
-            self._windows,
-            np.array([pull.landing], dtype=np.int32),
-            self._peers.board(pull.rank),
-            pull.board_index,
-            notification,
-        )
+        pull.handle = self._read_board(pull, notification)
         pull.step = Step.CHECK
         self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+
+    def _read_board(self, pull: DirectPull, notification: bytes) -> Any:
+        """READ the hold's board window of the peer into the pull's landing window."""
+        landing = np.array([pull.landing], dtype=np.int32)
+        return self._loop.agent.read(
+            self._windows, landing, self._peers.board(pull.rank), pull.board_index, notification
+        )
 
     def _await_verdict(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 3 (rare): the hold was not on the board; the peer answers the ReadDone with a verdict."""
@@ -1141,7 +1137,12 @@ class CacheReceiver:
 
     def _send_release_notices(self) -> None:
         while self._release_notices:
-            self._release_notices.popleft()()
+            notice = self._release_notices.popleft()
+            message = self._read_done_message(notice.key, notice.transfer_id, notice.readers, True, True, notice.token)
+            try:
+                self._loop.agent.notify(notice.peer, message)
+            except AgentError as exc:  # the peer releases at its lease end
+                log.info("could not tell %s that request %s was read: %s", notice.peer, notice.key, exc)
 
     def close(self) -> None:
         """Send the releases owed, fail every request still in flight (the loop is about to stop), then send what

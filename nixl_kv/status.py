@@ -109,7 +109,7 @@ class TransferTracker:
         """Take in what ended since the last look (deque pops are atomic); returns how many are ready."""
         while self.ended:
             rid = self.ended.popleft()
-            if rid in self.futures and self.futures[rid][1].done():
+            if rid in self.futures:  # the callback runs once the future is done
                 self.ready.add(rid)
         return len(self.ready)
 

@@ -106,32 +106,28 @@ def _poll(pair: Pair, request: TransferRequest, timeout_s: float = 10.0) -> Requ
     return request.state
 
 
-def _verdicts(pair: Pair) -> list[int]:
-    """Transfer ids of the direct pulls that waited for a verdict from now on."""
+def _spy(pair: Pair, step: str) -> list[int]:
+    """Transfer ids of the direct pulls that take the receiver's ``step`` from now on."""
     receiver = pair.gen.transceiver._receiver
     seen: list[int] = []
-    original = receiver._await_verdict
+    original = getattr(receiver, step)
 
     def spy(incoming, pull) -> None:  # noqa: ANN001
         seen.append(pull.transfer_id)
         original(incoming, pull)
 
-    receiver._await_verdict = spy
+    setattr(receiver, step, spy)
     return seen
+
+
+def _verdicts(pair: Pair) -> list[int]:
+    """The direct pulls that waited for a verdict."""
+    return _spy(pair, "_await_verdict")
 
 
 def _checks_after_the_read(pair: Pair) -> list[int]:
-    """Transfer ids of the direct pulls that checked the board after their READ (no promise relied on)."""
-    receiver = pair.gen.transceiver._receiver
-    seen: list[int] = []
-    original = receiver._post_check
-
-    def spy(incoming, pull) -> None:  # noqa: ANN001
-        seen.append(pull.transfer_id)
-        original(incoming, pull)
-
-    receiver._post_check = spy
-    return seen
+    """The direct pulls that checked the board after their READ (no promise relied on)."""
+    return _spy(pair, "_post_check")
 
 
 @pytest.mark.parametrize("promise_ms", [5000, 0])
