@@ -6,9 +6,10 @@ Per ctx peer the pipeline is three steps, each one posted call and one status po
 1. READ: the request's KV (and state) from the ctx pools into ours, without a notification. Gathered reads
    (whole block-major ctx segments of a slice our layout cannot take directly) READ piece by piece into a
    staging slot of ours and are unpacked here after each (SLOT: waiting for a free one).
-   A peer on the same host (one clock) is also READ its board window while the KV READ is in flight: if the
-   token is there with a promise the KV READ was seen finished within, the pull is done (``ReadDone`` then goes
-   out as a plain notification). Otherwise:
+   When the peer that made the params shares our clock and they carry its hold promise, a KV READ seen finished
+   within that promise is done (``ReadDone`` then goes out as a plain notification). Another peer on our clock
+   is READ its board window while the KV READ is in flight, to the same end: if the token is there with a
+   promise the KV READ was seen finished within, the pull is done. Otherwise:
 2. CHECK: once the READ has finished, READ the request's window of the peer's hold board, with ``ReadDone`` as
    its notification (the peer releases on it). The hold token there proves the blocks were held throughout.
 3. VERDICT: only when the token is absent (released, expired, or never posted): wait for the peer's answer.
@@ -48,7 +49,9 @@ class DirectPull:
     early: Any = None  # the board READ posted beside the KV READ (same-host peers); it lands in ``landing``
     landing: int | None = None  # the landing window of the hold check
     read_seen_ns: int = 0  # when the KV READ was seen finished (CLOCK_MONOTONIC)
-    promised: bool = False  # the early check saw the hold, promised past ``read_seen_ns``
+    made_params: bool = False  # this peer made the params and shares our clock: its promise came in them
+    promised_until_ns: int = 0  # that promise (0: none, or not one made for these params)
+    promised: bool = False  # a promise (the params' or the early check's) ran past ``read_seen_ns``
     verdict: str | None = None  # None until the peer answers; "" means ok
     posted_at: float = 0.0
     peer_blocks: tuple[int, ...] = ()  # the ctx rank's block ids of the request (gathered reads)

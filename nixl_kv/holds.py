@@ -99,7 +99,13 @@ def promised_until(window: np.ndarray, token: int, mask: int, now_ns: int) -> in
     found = np.flatnonzero(window[:, 0] == np.uint64(token))
     if not len(found):
         return None
-    until = int(window[found[0], 1]) ^ mask
+    return unmask_promise(int(window[found[0], 1]), mask, now_ns)
+
+
+def unmask_promise(masked: int, mask: int, now_ns: int) -> int:
+    """The promise in a masked word, or 0 when the word is not one made under ``mask`` (garbage, a torn copy, or
+    a word made for another token: it then decodes to a pseudo-random time, rarely within MAX_PROMISE_NS of now)."""
+    until = masked ^ mask
     return until if abs(until - now_ns) <= MAX_PROMISE_NS else 0
 
 

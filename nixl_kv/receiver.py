@@ -28,7 +28,16 @@ from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
-from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots, hold_token, promise_mask, promised_until, shows_token
+from nixl_kv.holds import (
+    BOARD_SLOTS,
+    LandingRing,
+    board_slots,
+    hold_token,
+    promise_mask,
+    promised_until,
+    shows_token,
+    unmask_promise,
+)
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import on_device
@@ -405,7 +414,12 @@ class CacheReceiver:
         blocks = params.block_ids[min(cp_rank, len(params.block_ids) - 1)]
         token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
         folded = self._folded(read, rank)
-        return DirectPull(folded, rank, token, next(self._transfer_ids), peer_blocks=blocks)
+        pull = DirectPull(folded, rank, token, next(self._transfer_ids), peer_blocks=blocks)
+        if read.peer_rank == params.ctx_rank and self._on_our_clock(rank):  # its promise, if any, is in the params
+            pull.made_params = True
+            mask = promise_mask(ctx_state.hold_key, token)
+            pull.promised_until_ns = unmask_promise(params.masked_promise, mask, time.monotonic_ns())
+        return pull
 
     def _start_direct(self, incoming: _Incoming) -> None:
         with self._direct_lock:
@@ -548,13 +562,16 @@ class CacheReceiver:
     def _post_early_check(self, pull: DirectPull) -> None:
         """READ the hold's board window now, beside the KV READ, from a peer on our clock (see direct_pull), for
         READs short enough to end within a promise (a longer one gains little and would outlive it)."""
-        if not self._clock_domain or pull.rank.clock_domain != self._clock_domain:
-            return
+        if pull.made_params or not self._on_our_clock(pull.rank):
+            return  # the params told its promise (the board would say no more), or a clock we cannot compare
         if pull.nbytes > EARLY_CHECK_SECONDS * self._spin_gbps * 1e9 or len(self._direct_queue) >= EARLY_CHECK_QUEUE:
             return  # a long READ, or one queued behind a burst: it would be seen done too late to gain
         pull.landing = self._landing.take()
         if pull.landing is not None:  # else every window is in use: the check after the READ will do
             pull.early = self._read_board(pull, b"")
+
+    def _on_our_clock(self, rank: RankCommInfo) -> bool:
+        return bool(self._clock_domain) and rank.clock_domain == self._clock_domain
 
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
         if pull.step is Step.SLOT:
@@ -571,6 +588,7 @@ class CacheReceiver:
             agent.release_transfer(pull.handle)
             pull.handle = None
             pull.read_seen_ns = time.monotonic_ns()
+            pull.promised = pull.read_seen_ns < pull.promised_until_ns
         if pull.early is not None and not self._early_check_ended(incoming, pull):
             return
         del self._direct_queue[unit]

@@ -59,6 +59,7 @@ class _Outgoing:
     token: int = 0  # its hold token (nixl_kv.holds), 0 without a board
     posted: bool = False  # the token is on the board (else its readers ask for verdicts: its window was full)
     promised_until_ns: int = 0  # its blocks are not released before this (CLOCK_MONOTONIC), whatever happens
+    masked_promise: int = 0  # the promise as posted on the board and carried in the params
 
 
 @dataclass(frozen=True)
@@ -125,18 +126,6 @@ class CacheSender:
         state = self._context.cache_state
         rnn_slot = self._cache.rnn_slot(request.request_id) if state.rnn is not None else None  # before pinning
         blocks = np.asarray(self._cache.pin(request.request_id), dtype=np.int64)
-        params = ContextPhaseParams(
-            request_id=request.request_id,
-            ctx_state=self._context.serialized_state,
-            block_ids=block_ids_per_cp,
-            num_tokens=request.num_tokens,
-            lease_ms=self._context.lease_ms,
-            ctx_dp_rank=self._context.cache_state.parallel.dp_rank,
-            first_gen_tokens=request.first_gen_tokens,
-            draft_tokens=request.draft_tokens,
-            layerwise=progress is not None,
-            rnn_slot=rnn_slot,
-        )
         request.transfer_start = time.monotonic()
         request.transfer_bytes = _held_bytes(self._cache, len(blocks))
         num_blocks = -(-request.num_tokens // self._context.cache_state.model.tokens_per_block)
@@ -150,6 +139,20 @@ class CacheSender:
             self._post_hold(entry, rnn_slot)
             self._outgoing[request.request_id] = entry
             heapq.heappush(self._leases, (deadline, next(self._lease_order), request.request_id, entry))
+        params = ContextPhaseParams(
+            request_id=request.request_id,
+            ctx_state=self._context.serialized_state,
+            block_ids=block_ids_per_cp,
+            num_tokens=request.num_tokens,
+            lease_ms=self._context.lease_ms,
+            ctx_dp_rank=self._context.cache_state.parallel.dp_rank,
+            first_gen_tokens=request.first_gen_tokens,
+            draft_tokens=request.draft_tokens,
+            layerwise=progress is not None,
+            rnn_slot=rnn_slot,
+            ctx_rank=self._context.rank,
+            masked_promise=entry.masked_promise if entry.posted and progress is None else 0,
+        )
         request.context_phase_params = wire.encode(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
@@ -163,7 +166,8 @@ class CacheSender:
         entry.token = hold_token(key, request.request_id, request.num_tokens, entry.block_ids, rnn_slot)
         promise_ms = min(self._context.hold_promise_ms, self._context.lease_ms)
         entry.promised_until_ns = time.monotonic_ns() + promise_ms * 1_000_000 if promise_ms else 0
-        entry.posted = board.post(entry.token, entry.promised_until_ns ^ promise_mask(key, entry.token))
+        entry.masked_promise = entry.promised_until_ns ^ promise_mask(key, entry.token)
+        entry.posted = board.post(entry.token, entry.masked_promise)
 
     def cancel(self, request_id: int) -> bool:
         """Stop serving a request: its blocks are released and late readers are refused."""

@@ -210,6 +210,12 @@ class ContextPhaseParams:
     draft_tokens: tuple[int, ...] | None = field(default=None, metadata=bounds(0, (1 << 32) - 1, max_items=1 << 16))
     layerwise: bool = False  # the ctx side announces per-layer readiness; read each layer when it is ready
     rnn_slot: int | None = field(default=None, metadata=bounds(0, (1 << 31) - 1))  # the request's Mamba state slot
+    # The rank that made these params, and its hold promise: the CLOCK_MONOTONIC time until which it keeps the
+    # request's blocks whatever happens, masked as on its board (so params whose ids or request were altered
+    # carry no promise). A reader on that rank's clock whose READ from it was seen finished before then needs no
+    # other proof that the blocks it read were the request's (docs/design_notes.md). 0: no promise.
+    ctx_rank: int = field(default=0, metadata=bounds(0, MAX_RANKS))
+    masked_promise: int = 0
 
     def problems(self) -> list[str]:
         return [] if self.block_ids else ["block_ids needs one list per ctx CP rank"]

@@ -130,17 +130,31 @@ def _checks_after_the_read(pair: Pair) -> list[int]:
     return _spy(pair, "_post_check")
 
 
+def _board_reads(pair: Pair) -> list[int]:
+    """Transfer ids of the direct pulls that READ a board window from now on (beside or after the KV READ)."""
+    receiver = pair.gen.transceiver._receiver
+    seen: list[int] = []
+    original = receiver._read_board
+
+    def spy(pull, notification: bytes):  # noqa: ANN001, ANN202
+        seen.append(pull.transfer_id)
+        return original(pull, notification)
+
+    receiver._read_board = spy
+    return seen
+
+
 @pytest.mark.parametrize("promise_ms", [5000, 0])
 def test_the_common_case_needs_no_verdict(pair_factory, promise_ms: int) -> None:
-    """With a promise, the board is read beside the KV READ (same host here) and nothing is read after it;
-    without, the board is read after the READ. Neither waits for a verdict."""
+    """With a promise in the params (same host here), no board is read at all; without, the board is read after
+    the READ. Neither waits for a verdict."""
     pair = pair_factory(ctx_config={"hold_promise_ms": promise_ms})
-    verdicts, after = _verdicts(pair), _checks_after_the_read(pair)
+    verdicts, after, board_reads = _verdicts(pair), _checks_after_the_read(pair), _board_reads(pair)
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE
     assert pair.mismatches(5, 1, 40) == 0 and verdicts == []
-    assert len(after) == (0 if promise_ms else 1)
+    assert len(after) == len(board_reads) == (0 if promise_ms else 1)
     assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
     assert pair.ctx.transceiver._board.posted == 0  # cleared before the blocks were released
 
@@ -159,6 +173,39 @@ def test_without_a_promise_in_force_the_board_is_read_after_the_read(pair_factor
     assert pair.mismatches(5, 1, 40) == 0 and len(after) == 1
 
 
+@pytest.mark.parametrize("change", ["promise word", "block ids", "request id", "maker rank"])
+def test_params_whose_promise_does_not_fit_them_are_checked_on_the_board(pair_factory, change: str) -> None:
+    """The params' promise is masked under the hold token: altered params (or a word made for other params)
+    carry none, so the board is read after the READ; params made by another rank promise nothing for this one,
+    whose board is read beside the READ. Here the blocks are the request's, so it completes (altered ids are
+    refused: test_params_naming_other_pinned_blocks_are_refused)."""
+    pair = pair_factory(ctx_config={"hold_promise_ms": 5000})
+    after, board_reads = _checks_after_the_read(pair), _board_reads(pair)
+    ctx_request = pair.prefill(1, 40)
+    params = wire.decode(ctx_request.context_phase_params, ContextPhaseParams)
+    assert params.masked_promise
+    if change == "promise word":
+        altered = {"masked_promise": params.masked_promise ^ (1 << 63)}
+    elif change == "block ids":  # the same blocks listed twice over: the token differs, the blocks are held
+        altered = {"block_ids": (params.block_ids[0],), "num_tokens": params.num_tokens - 1}
+    elif change == "request id":
+        other = wire.decode(pair.prefill(2, 40).context_phase_params, ContextPhaseParams)
+        altered = {"masked_promise": other.masked_promise}
+    else:
+        altered = {"ctx_rank": 1}
+    request = pair.gen_request(5, ctx_request)
+    request.context_phase_params = wire.encode(ContextPhaseParams(**{**params.__dict__, **altered}))
+    pair.gen.transceiver.request_and_receive_async(request)
+    state = _poll(pair, request)
+    if change == "block ids":  # a token count the ctx never pinned: refused on the board and by the verdict
+        assert state is RequestState.TRANS_ERROR and "does not match what request 1 pinned" in request.error
+    else:
+        assert state is RequestState.GENERATION_TRANS_COMPLETE, request.error
+        assert pair.mismatches(5, 1, 40) == 0
+    assert len(board_reads) == 1  # another rank's params: its board is read beside the READ, promised there
+    assert len(after) == (0 if change == "maker rank" else 1)
+
+
 def test_blocks_of_a_request_ended_early_stay_pinned_until_its_promise(pair_factory) -> None:
     """A ctx cancel right after the params left: a reader on the same host may already rely on the promise,
     so the blocks go back to the pool only when it runs out."""
@@ -175,7 +222,7 @@ def test_blocks_of_a_request_ended_early_stay_pinned_until_its_promise(pair_fact
 
 @pytest.mark.parametrize("why", ["ctx window full", "no landing window"])
 def test_without_a_hold_check_the_ctx_verdict_decides(pair_factory, why: str) -> None:
-    pair = pair_factory()
+    pair = pair_factory(ctx_config={"hold_promise_ms": 0})  # no promise to complete on
     verdicts = _verdicts(pair)
     if why == "ctx window full":
         pair.ctx.transceiver._board.post = lambda token, masked=0: False
