@@ -14,6 +14,7 @@ import csv
 import logging
 import os
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,15 +34,19 @@ class SideCounters:
 
 
 class _Prometheus:
-    """The process-wide Prometheus metrics, created once (None without prometheus_client)."""
+    """The process-wide Prometheus collector (registered once; None without prometheus_client). It reads every
+    live transceiver's counters when scraped, so counting costs a request only an addition under a lock (the
+    library's own counters took 5-10 µs a request through labelled series)."""
 
     _lock = threading.Lock()
-    _metrics: dict[str, Any] | None = None
+    _collector: Any = None  # False once prometheus_client proved missing
+    _tracked: weakref.WeakSet[TransferMetrics] = weakref.WeakSet()
 
     @classmethod
-    def get(cls) -> dict[str, Any] | None:
+    def track(cls, metrics: TransferMetrics) -> bool:
+        """Export ``metrics`` from now on; False when nothing can be exported."""
         with cls._lock:
-            if cls._metrics is None:
+            if cls._collector is None:
                 try:
                     import prometheus_client as prom
                 except ImportError:
@@ -50,46 +55,64 @@ class _Prometheus:
                         "(it is a dependency of nixl-kv: pip install nixl-kv, or prometheus_client>=0.26.0); "
                         "TransferMetrics.snapshot() still counts"
                     )
-                    cls._metrics = {}
-                    return None
-                labels = ("side", "instance")
-                cls._metrics = {
-                    name: prom.Counter(f"nixl_kv_{name}", f"KV transfer {name}", labels) for name in COUNTERS
-                }
-                cls._metrics["poisoned_slots"] = prom.Gauge("nixl_kv_poisoned_slots", "staging slots held back", labels)
-            return cls._metrics or None
+                    cls._collector = False
+                    return False
+                cls._collector = _Collector(cls._tracked)
+                prom.REGISTRY.register(cls._collector)
+            if cls._collector is False:
+                return False
+            cls._tracked.add(metrics)
+            return True
+
+
+class _Collector:
+    """``nixl_kv_<counter>_total`` and ``nixl_kv_poisoned_slots`` by side and instance (summed over transceivers
+    of one instance id in this process)."""
+
+    def __init__(self, tracked: weakref.WeakSet[TransferMetrics]) -> None:
+        self._tracked = tracked
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["side", "instance"]
+        families = {
+            name: CounterMetricFamily(f"nixl_kv_{name}", f"KV transfer {name}", labels=labels) for name in COUNTERS
+        }
+        poisoned = GaugeMetricFamily("nixl_kv_poisoned_slots", "staging slots held back", labels=labels)
+        totals: dict[tuple[str, str], dict[str, int]] = {}
+        for metrics in list(self._tracked):
+            for side, counters in metrics.snapshot().items():
+                total = totals.setdefault((side, metrics.instance_id), dict.fromkeys(counters, 0))
+                for name, value in counters.items():
+                    total[name] += value
+        for (side, instance), total in totals.items():
+            for name, family in families.items():
+                family.add_metric([side, instance], total[name])
+            poisoned.add_metric([side, instance], total["poisoned_slots"])
+        yield from families.values()
+        yield poisoned
 
 
 class TransferMetrics:
-    """Counters of one transceiver. Prometheus is imported and its labelled series are looked up here, at start-up,
-    never on the request path (the import alone took 52 ms in a first status check)."""
+    """Counters of one transceiver, exported to Prometheus when scraped (the library is imported at start-up,
+    never on the request path: the import alone took 52 ms in a first status check)."""
 
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
         self._lock = threading.Lock()
         self._sides = {"ctx": SideCounters(), "gen": SideCounters()}
-        prometheus = _Prometheus.get() or {}
-        self._series = {
-            (name, side): metric.labels(side, instance_id)
-            for name, metric in prometheus.items()
-            for side in self._sides
-        }
+        _Prometheus.track(self)
 
     def add(self, side: str, **increments: int) -> None:
         with self._lock:
             counters = self._sides[side]
             for name, value in increments.items():
                 setattr(counters, name, getattr(counters, name) + value)
-        if self._series:
-            for name, value in increments.items():
-                if value:
-                    self._series[(name, side)].inc(value)
 
     def set_poisoned(self, side: str, count: int) -> None:
         with self._lock:
             self._sides[side].poisoned_slots = count
-        if self._series:
-            self._series[("poisoned_slots", side)].set(count)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -251,9 +251,10 @@ class TransferTracker:
         for comm in self.rules.agree:
             if comm.size > 1:
                 gathered = comm.allgather([t for timings in gathered for t in timings])
+        if not rows:  # (after the collectives: every rank of the group makes them at every check)
+            return
         merged = merge_timings(gathered)
         failures = sum(outcome == "error" for _, outcome in rows)
-        if rows:
-            done_bytes = sum(merged[r.request_id].bytes for r, outcome in rows if outcome == "completed")
-            self.metrics.add(self.rules.side, requests=len(rows) - failures, failures=failures, bytes=done_bytes)
+        done_bytes = sum(merged[r.request_id].bytes for r, outcome in rows if outcome == "completed")
+        self.metrics.add(self.rules.side, requests=len(rows) - failures, failures=failures, bytes=done_bytes)
         self.summary.write([(merged[r.request_id], outcome) for r, outcome in rows])

@@ -351,6 +351,10 @@ def test_counters_reach_prometheus(pair_factory) -> None:
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_requests_total", labels) == 1.0
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_bytes_total", labels) == request.transfer_bytes
     assert prometheus.REGISTRY.get_sample_value("nixl_kv_failures_total", labels) == 0.0
+    assert prometheus.REGISTRY.get_sample_value("nixl_kv_poisoned_slots", labels) == 0.0
+    pair.ctx.transceiver.check_context_transfer_status(None)
+    ctx_labels = {"side": "ctx", "instance": pair.ctx.transceiver.instance_id}
+    assert prometheus.REGISTRY.get_sample_value("nixl_kv_requests_total", ctx_labels) == 1.0
 
 
 @pytest.mark.parametrize("registers", [True, False], ids=["registers-late", "never-registers"])

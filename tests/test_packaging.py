@@ -354,7 +354,7 @@ def test_without_prometheus_client_the_counters_still_count_and_a_warning_says_s
 ) -> None:
     from nixl_kv import metrics
 
-    monkeypatch.setattr(metrics._Prometheus, "_metrics", None)  # restored afterwards: the real series stay
+    monkeypatch.setattr(metrics._Prometheus, "_collector", None)  # restored afterwards: the real one stays
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # importing it now raises ImportError
     with caplog.at_level("WARNING", logger="nixl_kv.metrics"):
         counters = metrics.TransferMetrics("no-prometheus")
