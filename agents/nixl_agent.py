@@ -53,11 +53,19 @@ class NixlAgent(TransferAgent):
         for memory, rows in by_kind.items():
             self._registrations.append(self._call("register memory", self._agent.register_memory, rows, memory.value))
 
-    def load_remote(self, metadata: bytes) -> str:
-        name = self._call("load remote metadata", self._agent.add_remote_agent, metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self._remotes.add(name)
-        return name
+    def load_remote(self, metadata: bytes, name: str) -> None:
+        loaded = self._call("load remote metadata", self._agent.add_remote_agent, metadata)
+        try:  # NIXL returns the name the metadata holds, as bytes
+            described = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        except UnicodeDecodeError:
+            described = None
+        if described == name:
+            self._remotes.add(name)
+            return
+        if described not in self._remotes:  # loaded by this call alone (a name loaded before stays as it was)
+            self._call("remove remote agent", self._agent.remove_remote_agent, loaded)
+        shown = repr(described) if described is not None else f"{bytes(loaded)[:64]!r} (not UTF-8)"
+        raise AgentError(f"metadata given for agent {name!r} describes agent {shown}")
 
     def connect(self, name: str) -> None:
         self._call(f"connect to {name}", self._agent.make_connection, name)
@@ -154,7 +162,11 @@ class NixlAgent(TransferAgent):
         self._call(f"notify {peer}", self._agent.send_notif, peer, message)
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
-        found = self._agent.get_new_notifs()
+        try:
+            found = self._agent.get_new_notifs()
+        except UnicodeDecodeError:  # NIXL's binding cannot name a sender whose name is not text: it drops the
+            log.warning("dropped a batch of notifications: a sender's agent name is not UTF-8")  # whole batch
+            return []
         return [
             (sender.decode() if isinstance(sender, bytes) else sender, bytes(message))
             for sender, messages in found.items()

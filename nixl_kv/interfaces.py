@@ -43,8 +43,10 @@ class TransferAgent(ABC):
     def register(self, regions: Sequence[MemoryRegion]) -> None: ...
 
     @abstractmethod
-    def load_remote(self, metadata: bytes) -> str:
-        """Make a peer reachable; returns its agent name. Loading the same peer twice is harmless."""
+    def load_remote(self, metadata: bytes, name: str) -> None:
+        """Make the peer ``name`` reachable from its metadata. Loading the same peer twice is harmless. Metadata
+        that describes another agent (or one whose name is not text) raises AgentError and leaves every agent
+        loaded before as it was: a peer's state is untrusted, and must never unload a live peer."""
 
     def connect(self, name: str) -> None:  # noqa: B027 - optional: agents that connect lazily keep it
         """Set up the connection to a loaded peer now rather than at the first READ (optional)."""

@@ -37,13 +37,10 @@ class PeerDirectory:
             if rank.agent_name in self._loaded:
                 self._loaded.move_to_end(rank.agent_name)
                 return
-            loaded = self._agent.load_remote(rank.agent_metadata)
-            if loaded != rank.agent_name:
-                self._agent.forget_remote(loaded)
-                raise AgentError(f"metadata of {rank.agent_name!r} describes agent {loaded!r}")
-            self._loaded[loaded] = None
+            self._agent.load_remote(rank.agent_metadata, rank.agent_name)
+            self._loaded[rank.agent_name] = None
             with contextlib.suppress(AgentError):  # the first READ connects instead
-                self._agent.connect(loaded)
+                self._agent.connect(rank.agent_name)
             self._evict_idle()
 
     @property

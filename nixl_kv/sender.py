@@ -368,12 +368,9 @@ class CacheSender:
             self._known_readers.move_to_end(reader)
             return True
         try:
-            loaded = self._loop.agent.load_remote(metadata)
+            self._loop.agent.load_remote(metadata, reader)
         except AgentError as exc:
             log.warning("reader %s sent unusable metadata: %s", reader, exc)
-            return False
-        if loaded != reader:
-            log.warning("reader %s sent the metadata of %s; ignored", reader, loaded)
             return False
         self._known_readers[reader] = None
         while len(self._known_readers) > MAX_KNOWN_READERS:

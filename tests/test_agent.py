@@ -53,7 +53,7 @@ def test_read_moves_exact_bytes_and_notifies(agents: tuple[NixlAgent, NixlAgent]
     target = np.zeros_like(source)
     ctx.register([_region(source)])
     gen.register([_region(target)])
-    assert gen.load_remote(ctx.metadata()) == "test-ctx"
+    gen.load_remote(ctx.metadata(), "test-ctx")
     rows = lambda a: np.array([[a.ctypes.data, segment, 0, segment, count]], dtype=np.uint64)  # noqa: E731
     remote = gen.prepare("test-ctx", rows(source), MemoryKind.DRAM)
     local = gen.prepare(None, rows(target), MemoryKind.DRAM)
@@ -71,12 +71,12 @@ def test_read_moves_exact_bytes_and_notifies(agents: tuple[NixlAgent, NixlAgent]
 
 def test_reply_needs_the_readers_metadata(agents: tuple[NixlAgent, NixlAgent]) -> None:
     ctx, gen = agents
-    gen.load_remote(ctx.metadata())
+    gen.load_remote(ctx.metadata(), "test-ctx")
     gen.notify("test-ctx", b"hello")
     assert _notifications(ctx, 1, gen) == [("test-gen", b"hello")]
     with pytest.raises(AgentError, match="notify test-gen"):
         ctx.notify("test-gen", b"reply")
-    ctx.load_remote(gen.metadata())
+    ctx.load_remote(gen.metadata(), "test-gen")
     ctx.notify("test-gen", b"reply")
     assert _notifications(gen, 1, ctx) == [("test-ctx", b"reply")]
 
@@ -84,10 +84,10 @@ def test_reply_needs_the_readers_metadata(agents: tuple[NixlAgent, NixlAgent]) -
 def test_garbage_metadata_and_unregistered_memory_are_agent_errors(agents: tuple[NixlAgent, NixlAgent]) -> None:
     ctx, gen = agents
     with pytest.raises(AgentError, match="load remote metadata"):
-        gen.load_remote(b"not metadata at all" * 4)
+        gen.load_remote(b"not metadata at all" * 4, "test-ctx")
     source = np.ones(4096, dtype=np.uint8)
     ctx.register([_region(source)])
-    gen.load_remote(ctx.metadata())
+    gen.load_remote(ctx.metadata(), "test-ctx")
     outside = np.array([[source.ctypes.data + source.nbytes, 4096, 0]], dtype=np.uint64)
     with pytest.raises(AgentError, match="prepare descriptors of test-ctx"):
         gen.prepare("test-ctx", outside, MemoryKind.DRAM)
@@ -117,3 +117,71 @@ def test_peer_directory_forgets_idle_agents_beyond_its_bound() -> None:
     finally:
         for agent in (me, *others):
             agent.close()
+
+
+def _renamed(metadata: bytes, old: str, new: bytes) -> bytes:
+    """Agent metadata with the agent's name replaced (same length: the blob keeps its framing)."""
+    assert len(new) == len(old) and metadata.count(old.encode()) == 1
+    return metadata.replace(old.encode(), new)
+
+
+@pytest.mark.parametrize("given", ["not UTF-8", "another new agent"])
+def test_metadata_naming_an_unexpected_agent_is_refused_and_unloaded(
+    agents: tuple[NixlAgent, NixlAgent], given: str
+) -> None:
+    """An agent whose name is not text (it once escaped as UnicodeDecodeError and wedged the receiver), or any
+    name other than the one the peer's state claims: AgentError, and nothing stays loaded in NIXL."""
+    ctx, gen = agents
+    real = ctx.metadata()
+    name = b"test-ct\xff" if given == "not UTF-8" else b"test-cty"
+    with pytest.raises(AgentError, match="metadata given for agent 'test-ctx' describes agent"):
+        gen.load_remote(_renamed(real, "test-ctx", name), "test-ctx")
+    assert not gen._agent.check_remote_metadata(name) and gen.live_handles["remotes"] == 0
+    gen.load_remote(real, "test-ctx")  # the real one still loads
+    assert gen._agent.check_remote_metadata("test-ctx")
+
+
+def test_metadata_of_a_live_peer_under_another_name_leaves_the_peer_loaded(
+    agents: tuple[NixlAgent, NixlAgent],
+) -> None:
+    """A state that claims agent X but carries the metadata of Y, a peer in use: refused, and Y stays loaded and
+    readable (it was once forgotten, cutting this agent off a live peer)."""
+    ctx, gen = agents
+    source = np.arange(4096, dtype=np.uint8)
+    target = np.zeros_like(source)
+    ctx.register([_region(source)])
+    gen.register([_region(target)])
+    gen.load_remote(ctx.metadata(), "test-ctx")
+    with pytest.raises(AgentError, match="describes agent 'test-ctx'"):
+        gen.load_remote(ctx.metadata(), "someone-else")
+    assert gen._agent.check_remote_metadata("test-ctx") and gen.live_handles["remotes"] == 1
+    rows = lambda a: np.array([[a.ctypes.data, a.nbytes, 0]], dtype=np.uint64)  # noqa: E731
+    remote, local = (
+        gen.prepare("test-ctx", rows(source), MemoryKind.DRAM),
+        gen.prepare(None, rows(target), MemoryKind.DRAM),
+    )
+    transfer = gen.read(local, np.array([0], np.int32), remote, np.array([0], np.int32), b"")
+    assert _wait(gen, transfer, ctx) is TransferStatus.DONE and gen.release_transfer(transfer)
+    assert np.array_equal(target, source)
+
+
+def test_a_notification_from_an_agent_whose_name_is_not_text_is_dropped_not_raised(
+    agents: tuple[NixlAgent, NixlAgent],
+) -> None:
+    """NIXL's binding fails the whole poll on such a sender (and loses that batch): the agent returns nothing for
+    it, and notifications sent afterwards arrive."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    ctx, gen = agents
+    hostile = nixl_agent(b"hostile-\xff", nixl_agent_config(backends=["UCX"]))
+    try:
+        hostile.add_remote_agent(ctx.metadata())
+        hostile.send_notif("test-ctx", b"from a bad name")
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert ctx.poll_notifications() == []
+        gen.load_remote(ctx.metadata(), "test-ctx")
+        gen.notify("test-ctx", b"after")
+        assert _notifications(ctx, 1, gen) == [("test-gen", b"after")]
+    finally:
+        hostile.remove_remote_agent("test-ctx")

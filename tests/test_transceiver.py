@@ -182,12 +182,19 @@ def _blocks_of(request: TransferRequest) -> tuple[int, ...]:
     return wire.decode(request.context_phase_params, ContextPhaseParams).block_ids[0]
 
 
-def test_ctx_cancel_before_the_read_makes_the_reader_fail(pair_factory) -> None:
-    pair = pair_factory()
+@pytest.mark.parametrize("promise_ms", [0, 5000])
+def test_ctx_cancel_before_the_read(pair_factory, promise_ms: int) -> None:
+    """Without a hold promise the reader is refused. With one (the params promise the blocks to a reader on the
+    same clock until it runs out, whatever happens), a READ that ends within it gets the request's own bytes:
+    a cancel cannot reach it, and the blocks are not reused before the promise (test_holds)."""
+    pair = pair_factory(ctx_config={"hold_promise_ms": promise_ms})
     ctx_request = pair.prefill(1, 30)
     assert pair.ctx.transceiver.cancel_request(ctx_request)
     received = _receive(pair, 5, ctx_request)
-    assert received.state is RequestState.TRANS_ERROR and "not pinned here" in received.error
+    if promise_ms:
+        assert received.state is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 30) == 0
+    else:
+        assert received.state is RequestState.TRANS_ERROR and "not pinned here" in received.error
     statuses = pair.ctx.transceiver.check_context_transfer_status(None)
     assert statuses.error_request_ids == {1} and "cancelled on the ctx side" in ctx_request.error
 

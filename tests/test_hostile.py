@@ -1,0 +1,108 @@
+"""Hostile or broken peers (issue 11): what a state, params or control message from the fabric can and cannot do."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from nixl_kv import wire
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.state import ContextPhaseParams, DataTransceiverState
+
+from .conftest import Pair
+
+
+def _poll(pair: Pair, request: TransferRequest, timeout_s: float = 10.0) -> RequestState:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        statuses = pair.gen.transceiver.check_gen_transfer_status(at_least=1)
+        if request.request_id in statuses.completed_request_ids | statuses.error_request_ids:
+            break
+    return request.state
+
+
+def _with_ctx_state(params: bytes, change) -> bytes:  # noqa: ANN001
+    """The params with their ctx state changed by ``change(state) -> state``."""
+    decoded = wire.decode(params, ContextPhaseParams)
+    state = change(wire.decode(decoded.ctx_state, DataTransceiverState))
+    return wire.encode(dataclasses.replace(decoded, ctx_state=wire.encode(state)))
+
+
+def _first_rank(state: DataTransceiverState, **changes: object) -> DataTransceiverState:
+    ranks = (dataclasses.replace(state.comm.ranks[0], **changes), *state.comm.ranks[1:])
+    return dataclasses.replace(state, comm=dataclasses.replace(state.comm, ranks=ranks))
+
+
+def _gen_pins(pair: Pair, request_id: int) -> int:
+    return pair.gen.cache._requests[request_id].pins
+
+
+@pytest.mark.parametrize("path", ["direct", "stepped"])
+@pytest.mark.parametrize("metadata", ["name not UTF-8", "a live agent under another name"])
+def test_a_ctx_state_with_unusable_metadata_fails_that_request_only(pair_factory, path: str, metadata: str) -> None:
+    """The ctx rank's metadata names an agent that is not text (at first contact), or the state claims another
+    agent name for the metadata of the ctx agent the gen already reads: the request fails at once with the
+    reason, its blocks are unpinned, cancelling it is harmless, and the next good request from that ctx
+    completes with the right bytes (once, the second case unloaded the live agent for good, and the first
+    wedged the receiver's loop)."""
+    pair = pair_factory()
+    ctx_agent = pair.ctx.transceiver._agent
+    if metadata == "name not UTF-8":
+        changes = {
+            "agent_metadata": ctx_agent.metadata().replace(
+                ctx_agent.name.encode(), ctx_agent.name.encode()[:-1] + b"\xff"
+            )
+        }
+    else:
+        warm = pair.gen_request(4, pair.prefill(0, 40))
+        pair.gen.transceiver.request_and_receive_async(warm)
+        assert _poll(pair, warm) is RequestState.GENERATION_TRANS_COMPLETE
+        changes = {"agent_name": "an-impostor"}
+
+    def change(state: DataTransceiverState) -> DataTransceiverState:
+        state = _first_rank(state, **changes)
+        return dataclasses.replace(state, hold_key=b"") if path == "stepped" else state
+
+    bad = pair.gen_request(5, pair.prefill(1, 40))
+    bad.context_phase_params = _with_ctx_state(bad.context_phase_params, change)
+    good = pair.gen_request(6, pair.prefill(2, 40))
+    started = time.monotonic()
+    pair.gen.transceiver.request_and_receive_async(bad)
+    assert _poll(pair, bad) is RequestState.TRANS_ERROR
+    assert "describes agent" in bad.error and time.monotonic() - started < 5, bad.error
+    pair.gen.transceiver.request_and_receive_async(good)  # (after: once the real agent is loaded, it is used)
+    assert _poll(pair, good) is RequestState.GENERATION_TRANS_COMPLETE, good.error
+    assert pair.mismatches(6, 2, 40) == 0
+    assert _gen_pins(pair, 5) == 0
+    assert pair.gen.transceiver.cancel_request(bad) is False  # it has ended: nothing to cancel, no exception
+    assert pair.gen.transceiver._agent.live_handles["remotes"] == 1  # the real ctx agent alone
+
+
+def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factory) -> None:
+    """A message from agent G carrying the metadata of agent H: the ctx ignores it and keeps nothing loaded (it
+    once kept every such H: 2,000 messages left 2,001 remote agents)."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import NoReaders
+
+    pair = pair_factory()
+    ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
+    pair.prefill(1, 40)
+    gen_agent.load_remote(ctx_agent.metadata(), ctx_agent.name)
+    strangers = [NixlAgent(f"stranger-{i}") for i in range(40)]
+    try:
+        for stranger in strangers:
+            gen_agent.notify(
+                ctx_agent.name, wire.encode(NoReaders(pair.ctx.transceiver.instance_id, 1, stranger.metadata()))
+            )
+        # then a real one: notifications from one sender arrive in order, so once it ends request 1 all were seen
+        gen_agent.notify(
+            ctx_agent.name, wire.encode(NoReaders(pair.ctx.transceiver.instance_id, 1, gen_agent.metadata()))
+        )
+        assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+        assert not any(ctx_agent._agent.check_remote_metadata(stranger.name) for stranger in strangers)
+        assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
+    finally:
+        for stranger in strangers:
+            stranger.close()
