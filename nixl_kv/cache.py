@@ -34,6 +34,7 @@ class CacheManager(Protocol):
     ``indexer_layout`` (the DSA indexer-K pools of an MLA cache, indexed by the same block ids),
     ``rnn_layout`` (Mamba state pools) with ``rnn_slot(request_id)``, the request's state slot. Every rank of an
     instance gives a request the same slot, as it gives it the same block ids; ``pin`` covers the slot too.
+    ``dtype`` (the ``DataType`` of the KV elements): checked against the cache state at start, as the layout is.
     """
 
     @property

@@ -1,4 +1,4 @@
-"""Do a rank's indexer-K and Mamba state pools hold exactly what its share of the cache state says?
+"""Do a rank's KV, indexer-K and Mamba state pools hold exactly what its share of the cache state says?
 
 Checked for the local pools when a transceiver starts (a misconfigured server fails at once, not per request)
 and for a peer's pools before any byte is read from them.
@@ -14,6 +14,7 @@ from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.rnn import RnnShare
 from nixl_kv.state import CacheState, RnnConfig
+from nixl_kv.topology import head_range, layer_range, position
 
 
 def _mismatches(layout: Any, want: dict[str, int]) -> list[str]:
@@ -23,6 +24,30 @@ def _mismatches(layout: Any, want: dict[str, int]) -> list[str]:
         if getattr(layout, name) != value
     ]
     return wrong + layout.problems()
+
+
+def kv_pool_problems(layout: KVLayout, state: CacheState, rank: int) -> list[str]:
+    """How the rank's KV pools differ from its share of ``state`` (empty when they match). A layout that disagrees
+    would be addressed by one geometry and filled by another: wrong bytes, or a NIXL error naming nothing."""
+    where = position(state.parallel, rank)
+    heads = state.model.num_kv_heads_per_layer
+    return _mismatches(
+        layout,
+        {
+            "num_layers": len(layer_range(state.parallel, where.pp_rank)),
+            "kv_factor": state.kv_factor,
+            "num_heads": len(head_range(state.parallel, heads[0], where.tp_rank)) if heads else 0,
+            "tokens_per_block": state.model.tokens_per_block,
+            "head_dim": state.model.head_dim,
+            "itemsize": state.dtype.itemsize,
+        },
+    )
+
+
+def check_kv_pools(layout: KVLayout, state: CacheState, rank: int, who: str) -> None:
+    wrong = kv_pool_problems(layout, state, rank)
+    if wrong:
+        raise IncompatibleStateError(f"{who}: KV pools do not match its share of the cache state: {'; '.join(wrong)}")
 
 
 def check_indexer_pools(layout: KVLayout | None, state: CacheState, num_layers: int, num_blocks: int, who: str) -> None:

@@ -27,7 +27,14 @@ from nixl_kv import wire
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
-from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, NotSupportedError, TransferError
+from nixl_kv.errors import (
+    AgentError,
+    BufferExhaustedError,
+    IncompatibleStateError,
+    NixlKvError,
+    NotSupportedError,
+    TransferError,
+)
 from nixl_kv.holds import (
     BOARD_SLOTS,
     LandingRing,
@@ -43,6 +50,7 @@ from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import on_device
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.plan_cache import PlanCache
+from nixl_kv.pool_checks import kv_pool_problems
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
@@ -191,7 +199,7 @@ class CacheReceiver:
         self._by_request: dict[int, RequestKey] = {}
         self._by_transfer: dict[int, tuple[_Incoming, _PeerPull]] = {}
         self._transfer_ids = itertools.count(1)
-        self._states: OrderedDict[bytes, DataTransceiverState] = OrderedDict()
+        self._states: OrderedDict[bytes, tuple[DataTransceiverState, str]] = OrderedDict()  # state, its problem
         self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents)
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
@@ -245,7 +253,9 @@ class CacheReceiver:
 
     def connect_to(self, serialized_ctx_state: bytes) -> None:
         """Load, connect and prepare every rank of a ctx instance now (see ``CacheTransceiver.connect_to``)."""
-        ctx_state = self._decode_state(serialized_ctx_state)
+        ctx_state, problem = self._decode_state(serialized_ctx_state)
+        if problem:
+            raise IncompatibleStateError(problem)
         self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
         for rank in ctx_state.comm.ranks:
             for coarse in (False, True):
@@ -267,12 +277,14 @@ class CacheReceiver:
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
-        ctx_state = self._decode_state(params.ctx_state)
+        ctx_state, problem = self._decode_state(params.ctx_state)
         key = (ctx_state.instance_id, params.request_id)
         with self._lock:
             if key in self._active or request.request_id in self._by_request:  # a retry must not end the original
                 raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
         try:
+            if problem:
+                raise IncompatibleStateError(problem)
             read_request, plan = self._plan(request, params, ctx_state)
         except NixlKvError as exc:
             self._release_ctx_side(params, ctx_state, str(exc))
@@ -767,16 +779,25 @@ class CacheReceiver:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
         return min([self._staging.slot_bytes, *ctx_slots]) if ctx_slots else 0
 
-    def _decode_state(self, data: bytes) -> DataTransceiverState:
+    def _decode_state(self, data: bytes) -> tuple[DataTransceiverState, str]:
+        """A ctx state, decoded and checked once, and what is wrong with it ("" when nothing): a state whose ranks'
+        KV pools contradict its cache state is refused before anything is planned from it."""
         with self._lock:
-            state = self._states.get(data)
-        if state is None:
+            known = self._states.get(data)
+        if known is None:
             state = wire.decode(data, DataTransceiverState)
+            problems = [
+                f"ctx rank {rank}: {'; '.join(wrong)}"
+                for rank, info in enumerate(state.comm.ranks)
+                if (wrong := kv_pool_problems(info.layout, state.cache, rank))
+            ]
+            heading = "ctx KV pools do not match their share of the ctx cache state: "
+            known = (state, heading + " | ".join(problems) if problems else "")
             with self._lock:
-                self._states[data] = state
+                self._states[data] = known
                 while len(self._states) > self._max_peers:
                     self._states.popitem(last=False)
-        return state
+        return known
 
     # --- progress loop ----------------------------------------------------------------------------------
     def _tick(self, now: float) -> bool:

@@ -26,7 +26,7 @@ from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing, clock_domain
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
-from nixl_kv.pool_checks import check_indexer_pools, check_rnn_pools
+from nixl_kv.pool_checks import check_indexer_pools, check_kv_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
 from nixl_kv.registry import agent_class, agent_names, formatter_class
@@ -82,6 +82,12 @@ class CacheTransceiver:
         hold_key: bytes = self._comm.bcast(secrets.token_bytes(KEY_BYTES) if self._comm.rank == 0 else None)
         self._board, self._landing = HoldBoard(), LandingRing()
         _check_state(cache_state)
+        check_kv_pools(cache.layout, cache_state, self._comm.rank, "this rank")
+        dtype = getattr(cache, "dtype", None)  # optional: a layout knows only the element size
+        if dtype is not None and dtype != cache_state.dtype:
+            raise IncompatibleStateError(
+                f"this rank: the cache holds {dtype.value}, its cache state says {cache_state.dtype.value}"
+            )
         self._cache = cache
         layout = cache.layout
         self._staging = CacheTransBufferManager(

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
 
 from nixl_kv import wire
+from nixl_kv.config import CacheTransceiverConfig
+from nixl_kv.dtypes import DataType
+from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
+from nixl_kv.transceiver import CacheTransceiver
 
-from .conftest import Pair
+from .conftest import Pair, Shape
 
 
 def _poll(pair: Pair, request: TransferRequest, timeout_s: float = 10.0) -> RequestState:
@@ -106,3 +111,40 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
     finally:
         for stranger in strangers:
             stranger.close()
+
+
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        ({"tokens_per_block": 8, "head_dim": 16}, "tokens_per_block 8 (expected 16); head_dim 16 (expected 8)"),
+        ({"heads": 4}, "num_heads 4 (expected 2)"),
+        ({"layers": 2}, "num_layers 2 (expected 4)"),
+        ({"dtype": DataType.BFLOAT16}, "the cache holds bfloat16, its cache state says float16"),
+    ],
+    ids=["tokens-per-block-and-head-dim-swapped", "heads", "layers", "dtype"],
+)
+def test_a_cache_that_contradicts_its_declared_state_is_refused_at_construction(change: dict, problem: str) -> None:
+    shape = Shape()
+    cache = dataclasses.replace(shape, **change).cache()
+    with pytest.raises(IncompatibleStateError, match=re.escape(problem)):
+        CacheTransceiver(cache, shape.state(), CacheTransceiverConfig())
+
+
+def test_a_ctx_state_whose_pools_contradict_its_cache_state_is_refused_before_any_read(pair_factory) -> None:
+    """Its geometry swapped (same bytes per block): once, such a read completed with wrong bytes. Now the
+    request fails naming the difference, and the ctx side is told at once (it does not hold the blocks to the
+    lease)."""
+    pair = pair_factory()
+    ctx_request = pair.prefill(1, 40)
+
+    def swap(state: DataTransceiverState) -> DataTransceiverState:
+        layout = state.comm.ranks[0].layout
+        return _first_rank(state, layout=dataclasses.replace(layout, tokens_per_block=8, head_dim=16))
+
+    request = pair.gen_request(5, ctx_request)
+    request.context_phase_params = _with_ctx_state(request.context_phase_params, swap)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.TRANS_ERROR
+    assert "ctx rank 0: tokens_per_block 8 (expected 16); head_dim 16 (expected 8)" in request.error
+    statuses = pair.ctx.transceiver.check_context_transfer_status(None)
+    assert statuses.error_request_ids == {1} and "a gen rank cannot read the request" in ctx_request.error
