@@ -73,6 +73,7 @@ SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a
 SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
 EARLY_CHECK_SECONDS = 10e-3  # READs expected (at SPIN_GBPS) to take longer check the board after they end
+PEER_SWEEP_S = 1.0  # how often the progress loop forgets peers idle for PEER_IDLE_S (peers.py)
 EARLY_CHECK_QUEUE = 8  # nor do READs posted behind this many direct pulls in flight
 
 
@@ -201,6 +202,7 @@ class CacheReceiver:
         self._transfer_ids = itertools.count(1)
         self._states: OrderedDict[bytes, tuple[DataTransceiverState, str]] = OrderedDict()  # state, its problem
         self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents)
+        self._peers_swept_at = 0.0
         self.poisoned: dict[RequestKey, str] = {}
         self._stuck: list[_Stuck] = []
         self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
@@ -817,6 +819,9 @@ class CacheReceiver:
                 log.exception("request %s failed unexpectedly", incoming.key)
                 self._fail(incoming, f"{type(exc).__name__}: {exc}")
         self._retry_stuck(now)
+        if now - self._peers_swept_at >= PEER_SWEEP_S:
+            self._peers_swept_at = now
+            self._peers.forget_idle(now)
         return bool(active) or bool(neglected)
 
     def _retry_stuck(self, now: float) -> None:

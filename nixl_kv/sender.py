@@ -29,6 +29,7 @@ from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, Transf
 from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
+from nixl_kv.peers import PEER_IDLE_S
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
@@ -38,6 +39,7 @@ from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
 
+PEER_SWEEP_S = 1.0  # how often idle readers are looked for
 MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
 EARLY_GRACE_S = 1.0  # a claim, watch or NoReaders for a request this rank has not registered yet waits this long
 MAX_PARKED = 4096  # requests with early messages waiting; beyond it the oldest are dropped
@@ -94,7 +96,8 @@ class CacheSender:
         self._lock = threading.Lock()
         self._outgoing: dict[int, _Outgoing] = {}
         self._granted: dict[tuple[str, int], tuple[int, StagingSlot]] = {}  # (reader, transfer) -> (request, slot)
-        self._known_readers: OrderedDict[str, None] = OrderedDict()  # LRU of loaded reader agents
+        self._known_readers: OrderedDict[str, float] = OrderedDict()  # loaded reader agents -> last use, LRU first
+        self._readers_swept_at = 0.0
         # messages that arrived before this rank registered their request (ranks respond at slightly different
         # times); READ completions are never parked: a READ before registration may have read unfinished KV
         self._parked: OrderedDict[int, list[tuple[float, str, Any, Callable[[str, Any], None]]]] = OrderedDict()
@@ -107,9 +110,9 @@ class CacheSender:
         loop.on_message(StageClaim, self._on_stage_claim)
         loop.on_message(NoReaders, self._on_no_readers)
         loop.on_message(LayerWatch, self._on_layer_watch)
-        self._first_layer = layer_range(
+        self._layers = layer_range(
             context.cache_state.parallel, position(context.cache_state.parallel, context.rank).pp_rank
-        ).start
+        )
         loop.add_ticker(self._tick)
 
     def send_async(
@@ -276,16 +279,15 @@ class CacheSender:
             return
         with self._lock:
             entry = self._outgoing.get(message.request_id)
-            if entry is None or entry.progress is None:
+            if entry is None:
                 return
-            entry.watchers.add(reader)
-            self._watched[message.request_id] = entry
+            if entry.progress is not None:  # else every layer is ready now: one announcement, nothing to watch
+                entry.watchers.add(reader)
+                self._watched[message.request_id] = entry
         self._announce(entry, [reader])
 
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
-        ready = LayersReady(
-            self._context.instance_id, entry.request.request_id, self._first_layer + entry.progress.layers_ready
-        )
+        ready = LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry))
         for reader in readers:
             try:
                 self._loop.agent.notify(reader, wire.encode(ready))
@@ -295,8 +297,8 @@ class CacheSender:
     def _ready_below(self, entry: _Outgoing) -> int:
         """Global layers below this are ready (all of them for requests that are not layer-wise)."""
         if entry.progress is None:
-            return 1 << 30
-        return self._first_layer + entry.progress.layers_ready
+            return self._layers.stop
+        return self._layers.start + entry.progress.layers_ready
 
     def _on_no_readers(self, reader: str, message: NoReaders) -> None:
         if message.ctx_instance_id != self._context.instance_id or not self._reachable(reader, message.reader_metadata):
@@ -365,6 +367,7 @@ class CacheSender:
     def _reachable(self, reader: str, metadata: bytes) -> bool:
         """A NIXL agent can only notify agents whose metadata it loaded."""
         if reader in self._known_readers:
+            self._known_readers[reader] = time.monotonic()
             self._known_readers.move_to_end(reader)
             return True
         try:
@@ -372,14 +375,26 @@ class CacheSender:
         except AgentError as exc:
             log.warning("reader %s sent unusable metadata: %s", reader, exc)
             return False
-        self._known_readers[reader] = None
+        self._known_readers[reader] = time.monotonic()
         while len(self._known_readers) > MAX_KNOWN_READERS:
-            stale, _ = self._known_readers.popitem(last=False)
-            try:
-                self._loop.agent.forget_remote(stale)
-            except AgentError as exc:
-                log.info("could not forget reader %s: %s", stale, exc)
+            self._forget_reader(next(iter(self._known_readers)))
         return True
+
+    def _forget_reader(self, reader: str) -> None:
+        """Unload a reader's metadata: safe at any time, every message a reader sends carries it again."""
+        del self._known_readers[reader]
+        try:
+            self._loop.agent.forget_remote(reader)
+        except AgentError as exc:
+            log.info("could not forget reader %s: %s", reader, exc)
+
+    def _forget_idle_readers(self, now: float) -> None:
+        """Readers not heard from for PEER_IDLE_S (dead or departed gen instances) are unloaded, once a second."""
+        if now - self._readers_swept_at < PEER_SWEEP_S:
+            return
+        self._readers_swept_at = now
+        while self._known_readers and now - next(iter(self._known_readers.values())) > PEER_IDLE_S:
+            self._forget_reader(next(iter(self._known_readers)))
 
     def _tick(self, now: float) -> bool:
         """Costs what changed, not what is outstanding: leases come off a heap, announcements from the
@@ -405,6 +420,7 @@ class CacheSender:
         self._staging.expire_leases(now)  # a slot whose lease ran out while granted is poisoned, never reused
         self._replay_parked(now)
         self.release_deferred()
+        self._forget_idle_readers(now)
         return busy or bool(self._parked)
 
     def release_deferred(self, everything: bool = False) -> None:

@@ -148,3 +148,45 @@ def test_a_ctx_state_whose_pools_contradict_its_cache_state_is_refused_before_an
     assert "ctx rank 0: tokens_per_block 8 (expected 16); head_dim 16 (expected 8)" in request.error
     statuses = pair.ctx.transceiver.check_context_transfer_status(None)
     assert statuses.error_request_ids == {1} and "a gen rank cannot read the request" in ctx_request.error
+
+
+def test_a_layer_wise_flag_on_a_request_that_is_not_layer_wise_reads_at_once(pair_factory) -> None:
+    """The ctx responded after prefill; the params (altered, or from a confused router) say layer-wise. The ctx
+    answers the reader's watch with every layer ready, so the request completes at once with the right bytes
+    (it once waited out the whole lease, 60 s by default)."""
+    pair = pair_factory()
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    params = wire.decode(request.context_phase_params, ContextPhaseParams)
+    request.context_phase_params = wire.encode(dataclasses.replace(params, layerwise=True))
+    started = time.monotonic()
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert time.monotonic() - started < 5 and pair.mismatches(5, 1, 40) == 0
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory, monkeypatch) -> None:  # noqa: ANN001
+    """A dead or departed peer is unloaded once idle (it once stayed until another peer connected), on the gen
+    side (its ctx agents and their lists) and the ctx side (its readers); a later request loads them again."""
+    from nixl_kv import sender
+
+    monkeypatch.setattr(sender, "PEER_IDLE_S", 0.2)
+    pair = pair_factory()
+    pair.gen.transceiver._receiver._peers._idle_s = 0.2
+    gen_agent, ctx_agent = pair.gen.transceiver._agent, pair.ctx.transceiver._agent
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE
+    assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+    assert gen_agent.live_handles["remotes"] == 1 and ctx_agent.live_handles["remotes"] == 1
+    assert _wait_for(lambda: gen_agent.live_handles["remotes"] == ctx_agent.live_handles["remotes"] == 0)
+    assert gen_agent.live_handles["prepared"] == 3  # our own lists alone (fine and coarse pools, landing windows)
+    again = pair.gen_request(6, pair.prefill(2, 40))
+    pair.gen.transceiver.request_and_receive_async(again)
+    assert _poll(pair, again) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(6, 2, 40) == 0
