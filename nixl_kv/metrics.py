@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("bytes", "requests", "failures", "timeouts", "cancellations")
+COUNTERS = ("bytes", "requests", "failures", "timeouts", "cancellations", "forged_messages")
 
 
 @dataclass
@@ -30,6 +30,7 @@ class SideCounters:
     failures: int = 0
     timeouts: int = 0
     cancellations: int = 0
+    forged_messages: int = 0  # control messages about a live request whose proof was not its secret: dropped
     poisoned_slots: int = 0
 
 

@@ -31,6 +31,7 @@ class ReadDone:
     reason: str = ""
     checks_hold: bool = False  # the reader checks the hold board itself: no verdict unless the hold is not posted
     hold_token: int = 0  # the token the reader computed from its params: the ctx refuses a READ of other blocks
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ReadVerdict:
     transfer_id: int
     ok: bool
     reason: str = ""
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class StageClaim:
     layers: tuple[int, ...] = field(metadata=bounds(0, MAX_LAYERS, max_items=2))
     heads: tuple[int, ...] = field(metadata=bounds(0, MAX_HEADS, max_items=2))
     blocks: tuple[int, ...] = field(metadata=bounds(0, MAX_BLOCKS, max_items=2))
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
     def problems(self) -> list[str]:
         ranges = (self.layers, self.heads, self.blocks)
@@ -74,6 +77,7 @@ class StageGrant:
     nbytes: int = 0
     retry: bool = False
     reason: str = ""
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class NoReaders:
     ctx_instance_id: str
     request_id: int
     reader_metadata: bytes
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class LayerWatch:
     ctx_instance_id: str
     request_id: int
     reader_metadata: bytes
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)
 
 
 @dataclass(frozen=True)
@@ -102,3 +108,4 @@ class LayersReady:
     ctx_instance_id: str
     request_id: int
     ready_below: int = field(metadata=bounds(0, MAX_LAYERS))
+    proof: bytes = field(default=b"", metadata={"max_bytes": 64})  # the request's secret (nixl_kv.auth)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from nixl_kv import wire
+from nixl_kv.auth import proves
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
@@ -48,6 +49,7 @@ from nixl_kv.holds import (
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import on_device
+from nixl_kv.metrics import TransferMetrics
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.plan_cache import PlanCache
 from nixl_kv.pool_checks import kv_pool_problems
@@ -144,6 +146,7 @@ class _ReleaseNotice:
     transfer_id: int
     readers: int
     token: int
+    secret: bytes
 
 
 @dataclass
@@ -169,6 +172,7 @@ class _Incoming:
     read_request: ReadRequest | None = None
     peers: list[_PeerPull] = field(default_factory=list)
     direct: list[DirectPull] | None = None  # the fast path's pulls (then ``peers`` is empty)
+    secret: bytes = b""  # the request's secret from its params: our proof to the ctx, and the ctx's to us
     stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
 
 
@@ -184,8 +188,10 @@ class CacheReceiver:
         direct_min_run_bytes: int,
         max_peers: int = 256,
         landing: LandingRing | None = None,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self._direct_min_run_bytes = direct_min_run_bytes
+        self._metrics = metrics or TransferMetrics(self_state.instance_id)
         self._loop = loop
         self._cache = cache
         self._self_state = self_state
@@ -280,6 +286,8 @@ class CacheReceiver:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state, problem = self._decode_state(params.ctx_state)
+        if not params.secret:
+            problem = problem or "the params carry no request secret (made by a ctx instance of an older build?)"
         key = (ctx_state.instance_id, params.request_id)
         with self._lock:
             if key in self._active or request.request_id in self._by_request:  # a retry must not end the original
@@ -298,7 +306,7 @@ class CacheReceiver:
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
         deadline = request.transfer_start + budget_ms / 1000
         request.transfer_deadline = deadline
-        incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request)
+        incoming = _Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request, secret=params.secret)
         layerwise = params.layerwise
         ranks = ctx_state.comm.ranks
         if ctx_state.hold_key and self._landing is not None and direct_eligible(plan, ranks, layerwise):
@@ -354,6 +362,7 @@ class CacheReceiver:
                 final=True,
                 failed=True,
                 reason=f"a gen rank cannot read the request: {reason}"[:512],
+                proof=params.secret,
             )
         )
 
@@ -454,7 +463,7 @@ class CacheReceiver:
         """Step 1: the READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
         if pull.read.expected_readers == 0:
             self._peers.connect(pull.rank)
-            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
+            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
             self._loop.agent.notify(pull.rank.agent_name, wire.encode(message))
             pull.step = Step.DONE
             return
@@ -653,7 +662,14 @@ class CacheReceiver:
         promise holds the blocks meanwhile), so the loop thread sends it at its next tick, within its idle wait
         (2 ms): woken for it, it would take the GIL from the caller just as the caller returns."""
         self._release_notices.append(
-            _ReleaseNotice(pull.rank.agent_name, incoming.key, pull.transfer_id, pull.read.expected_readers, pull.token)
+            _ReleaseNotice(
+                pull.rank.agent_name,
+                incoming.key,
+                pull.transfer_id,
+                pull.read.expected_readers,
+                pull.token,
+                incoming.secret,
+            )
         )
 
     def _post_check(self, incoming: _Incoming, pull: DirectPull) -> None:
@@ -663,7 +679,7 @@ class CacheReceiver:
         pull.landing = self._landing.take()
         checks_hold = pull.landing is not None
         notification = self._read_done_message(
-            incoming.key, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
+            incoming.key, incoming.secret, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
         )
         if not checks_hold:
             self._loop.agent.notify(pull.rank.agent_name, notification)
@@ -713,6 +729,8 @@ class CacheReceiver:
             incoming, pull = found
             if sender != pull.rank.agent_name or verdict.request_id != incoming.key[1]:
                 log.warning("ignored a verdict from %s for transfer %d it does not own", sender, verdict.transfer_id)
+                return True
+            if self._forged(incoming, verdict, sender):
                 return True
             pull.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
             if pull.step is Step.VERDICT and not incoming.future.done():
@@ -939,7 +957,7 @@ class CacheReceiver:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
         if not peer.watching:
             self._peers.connect(peer.rank)
-            watch = LayerWatch(incoming.key[0], incoming.key[1], self._metadata)
+            watch = LayerWatch(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(watch))
             peer.watching = True
             return False
@@ -957,7 +975,7 @@ class CacheReceiver:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
         if peer.full.expected_readers == 0:
             self._peers.connect(peer.rank)
-            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata)
+            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
             peer.done = True
             return
@@ -1004,6 +1022,7 @@ class CacheReceiver:
                 layers=(box.layers.start, box.layers.stop),
                 heads=(box.heads.start, box.heads.stop),
                 blocks=(box.blocks.start, box.blocks.stop),
+                proof=incoming.secret,
             )
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(claim))
         peer.current = transfer
@@ -1053,11 +1072,14 @@ class CacheReceiver:
         peer.slot = None
 
     def _read_done(self, incoming: _Incoming, peer: _PeerPull, transfer: _Transfer, final: bool) -> bytes:
-        return self._read_done_message(incoming.key, transfer.transfer_id, peer.full.expected_readers, final, False)
+        return self._read_done_message(
+            incoming.key, incoming.secret, transfer.transfer_id, peer.full.expected_readers, final, False
+        )
 
     def _read_done_message(
         self,
         key: RequestKey,
+        secret: bytes,
         transfer_id: int,
         expected_readers: int,
         final: bool,
@@ -1078,6 +1100,7 @@ class CacheReceiver:
                 reason=failure[:512],
                 checks_hold=checks_hold,
                 hold_token=hold_token,
+                proof=secret,
             )
         )
 
@@ -1093,25 +1116,26 @@ class CacheReceiver:
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
         if self._direct_verdict(sender, verdict):
             return
-        transfer = self._owned_transfer(sender, verdict.transfer_id, verdict.request_id)
+        transfer = self._owned_transfer(sender, verdict)
         if transfer is not None:
             transfer.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
 
     def _on_grant(self, sender: str, grant: StageGrant) -> None:
-        transfer = self._owned_transfer(sender, grant.transfer_id, grant.request_id)
+        transfer = self._owned_transfer(sender, grant)
         if transfer is not None and transfer.grant is None:  # the first answer to a claim is the answer
             transfer.grant = grant
 
     def _on_layers_ready(self, sender: str, message: LayersReady) -> None:
         with self._lock:
             incoming = self._active.get((message.ctx_instance_id, message.request_id))
-        if incoming is None:
+        if incoming is None or self._forged(incoming, message, sender):
             return
         for peer in incoming.peers:
             if peer.rank.agent_name == sender:
                 peer.ready_below = max(peer.ready_below, message.ready_below)
 
-    def _owned_transfer(self, sender: str, transfer_id: int, request_id: int) -> _Transfer | None:
+    def _owned_transfer(self, sender: str, message: ReadVerdict | StageGrant) -> _Transfer | None:
+        transfer_id, request_id = message.transfer_id, message.request_id
         found = self._by_transfer.get(transfer_id)
         if found is None:
             return None  # the request already ended
@@ -1119,7 +1143,18 @@ class CacheReceiver:
         if sender != peer.rank.agent_name or request_id != incoming.key[1] or peer.current is None:
             log.warning("ignored an answer from %s for transfer %d it does not own", sender, transfer_id)
             return None
+        if self._forged(incoming, message, sender):
+            return None
         return peer.current
+
+    def _forged(self, incoming: _Incoming, message: Any, sender: str) -> bool:
+        """A ctx message whose proof is not the request's secret: dropped and counted (an agent may take any name,
+        so the name is no proof)."""
+        if proves(message.proof, incoming.secret):
+            return False
+        self._metrics.add("gen", forged_messages=1)
+        log.debug("dropped a %s for request %s from %s: wrong proof", type(message).__name__, incoming.key, sender)
+        return True
 
     def _cancel(self, request_id: int) -> bool:
         with self._lock:
@@ -1157,7 +1192,9 @@ class CacheReceiver:
         except AgentError as exc:
             log.info("could not reach %s to report request %s failed: %s", rank.agent_name, incoming.key, exc)
             return
-        message = self._read_done_message(incoming.key, transfer_id, expected_readers, True, False, failure=reason)
+        message = self._read_done_message(
+            incoming.key, incoming.secret, transfer_id, expected_readers, True, False, failure=reason
+        )
         try:
             self._loop.agent.notify(rank.agent_name, message)
         except AgentError as exc:
@@ -1182,7 +1219,9 @@ class CacheReceiver:
     def _send_release_notices(self) -> None:
         while self._release_notices:
             notice = self._release_notices.popleft()
-            message = self._read_done_message(notice.key, notice.transfer_id, notice.readers, True, True, notice.token)
+            message = self._read_done_message(
+                notice.key, notice.secret, notice.transfer_id, notice.readers, True, True, notice.token
+            )
             try:
                 self._loop.agent.notify(notice.peer, message)
             except AgentError as exc:  # the peer releases at its lease end

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 
 from nixl_kv import wire
+from nixl_kv.auth import proves, request_secret
 from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
+from nixl_kv.metrics import TransferMetrics
 from nixl_kv.peers import PEER_IDLE_S
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
@@ -62,6 +64,7 @@ class _Outgoing:
     posted: bool = False  # the token is on the board (else its readers ask for verdicts: its window was full)
     promised_until_ns: int = 0  # its blocks are not released before this (CLOCK_MONOTONIC), whatever happens
     masked_promise: int = 0  # the promise as posted on the board and carried in the params
+    secret: bytes = b""  # the request's secret (nixl_kv.auth): the proof its readers' messages must carry
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class SenderContext:
     cache_state: CacheState
     serialized_state: bytes
     lease_ms: int
+    auth_key: bytes  # the instance's private key for request secrets (nixl_kv.auth): never leaves the instance
     hold_key: bytes = b""
     board: HoldBoard | None = None
     hold_promise_ms: int = 0
@@ -86,10 +90,12 @@ class CacheSender:
         context: SenderContext,
         formatter: Formatter,
         staging: CacheTransBufferManager,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self._loop = loop
         self._cache = cache
         self._context = context
+        self._metrics = metrics or TransferMetrics(context.instance_id)
         self._formatter = formatter
         self._staging = staging
         self._views = pool_views(cache.layout)
@@ -135,6 +141,7 @@ class CacheSender:
         deadline = request.transfer_start + self._context.lease_ms / 1000
         request.transfer_deadline = deadline
         entry = _Outgoing(request, blocks, num_blocks, deadline, future, progress=progress)
+        entry.secret = request_secret(self._context.auth_key, request.request_id, request.num_tokens, block_ids_per_cp)
         with self._lock:  # the hold is posted before any thread can see (and so finish) the entry
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
@@ -155,6 +162,7 @@ class CacheSender:
             rnn_slot=rnn_slot,
             ctx_rank=self._context.rank,
             masked_promise=entry.masked_promise if entry.posted and progress is None else 0,
+            secret=entry.secret,
         )
         request.context_phase_params = wire.encode(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
@@ -193,6 +201,21 @@ class CacheSender:
             return len(self._outgoing)
 
     # --- progress loop side ---------------------------------------------------------------------------
+    def _forged(self, reader: str, message: Any) -> bool:
+        """A message about a live request of ours whose proof is not that request's secret: dropped, counted,
+        before anything else is done for it (no metadata is loaded for it, nothing is answered)."""
+        if message.ctx_instance_id != self._context.instance_id:
+            return False
+        with self._lock:
+            entry = self._outgoing.get(message.request_id)
+        if entry is None or proves(message.proof, entry.secret):
+            return False
+        self._metrics.add("ctx", forged_messages=1)
+        log.debug(
+            "dropped a %s for request %d from %s: wrong proof", type(message).__name__, message.request_id, reader
+        )
+        return True
+
     def _parked_early(self, reader: str, message: Any, handler: Callable[[str, Any], None]) -> bool:
         """Park a message for a request of this instance that this rank has not registered yet."""
         if message.ctx_instance_id != self._context.instance_id or message.request_id in self._finished:
@@ -223,8 +246,10 @@ class CacheSender:
                 handler(reader, message)  # now refused: the request counts as finished
 
     def _on_stage_claim(self, reader: str, claim: StageClaim) -> None:
-        if not self._reachable(reader, claim.reader_metadata) or self._parked_early(
-            reader, claim, self._on_stage_claim
+        if (
+            self._forged(reader, claim)
+            or not self._reachable(reader, claim.reader_metadata)
+            or self._parked_early(reader, claim, self._on_stage_claim)
         ):
             return
         grant = self._grant(reader, claim)
@@ -232,12 +257,18 @@ class CacheSender:
             self._loop.agent.notify(reader, wire.encode(grant))
         except AgentError as exc:
             log.warning("could not answer the stage claim of %s for request %d: %s", reader, claim.request_id, exc)
-            self._free_slot(reader, claim.transfer_id)
+            self._free_slot(reader, claim.transfer_id, claim.request_id)
 
     def _grant(self, reader: str, claim: StageClaim) -> StageGrant:
-        def refuse(reason: str, retry: bool = False) -> StageGrant:
+        def refuse(reason: str, retry: bool = False) -> StageGrant:  # (to the claim's sender: its proof echoed)
             return StageGrant(
-                self._context.instance_id, claim.request_id, claim.transfer_id, False, retry=retry, reason=reason
+                self._context.instance_id,
+                claim.request_id,
+                claim.transfer_id,
+                False,
+                retry=retry,
+                reason=reason,
+                proof=claim.proof,
             )
 
         if claim.ctx_instance_id != self._context.instance_id:
@@ -269,11 +300,19 @@ class CacheSender:
             return refuse(f"packing failed: {type(exc).__name__}: {exc}")
         self._granted[(reader, claim.transfer_id)] = (claim.request_id, slot)
         return StageGrant(
-            self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
+            self._context.instance_id,
+            claim.request_id,
+            claim.transfer_id,
+            True,
+            slot.region.address,
+            nbytes,
+            proof=entry.secret,
         )
 
     def _on_layer_watch(self, reader: str, message: LayerWatch) -> None:
-        if not self._reachable(reader, message.reader_metadata) or message.ctx_instance_id != self._context.instance_id:
+        if message.ctx_instance_id != self._context.instance_id or self._forged(reader, message):
+            return
+        if not self._reachable(reader, message.reader_metadata):
             return
         if self._parked_early(reader, message, self._on_layer_watch):
             return
@@ -287,7 +326,9 @@ class CacheSender:
         self._announce(entry, [reader])
 
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
-        ready = LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry))
+        ready = LayersReady(
+            self._context.instance_id, entry.request.request_id, self._ready_below(entry), proof=entry.secret
+        )
         for reader in readers:
             try:
                 self._loop.agent.notify(reader, wire.encode(ready))
@@ -301,7 +342,9 @@ class CacheSender:
         return self._layers.start + entry.progress.layers_ready
 
     def _on_no_readers(self, reader: str, message: NoReaders) -> None:
-        if message.ctx_instance_id != self._context.instance_id or not self._reachable(reader, message.reader_metadata):
+        if message.ctx_instance_id != self._context.instance_id or self._forged(reader, message):
+            return
+        if not self._reachable(reader, message.reader_metadata):
             return
         if self._parked_early(reader, message, self._on_no_readers):
             return
@@ -314,9 +357,9 @@ class CacheSender:
         self._finish(entry, None)
 
     def _on_read_done(self, reader: str, message: ReadDone) -> None:
-        if not self._reachable(reader, message.reader_metadata):
+        if self._forged(reader, message) or not self._reachable(reader, message.reader_metadata):
             return
-        self._free_slot(reader, message.transfer_id)
+        self._free_slot(reader, message.transfer_id, message.request_id)
         with self._lock:
             entry = self._outgoing.get(message.request_id)
         ours = entry is not None and message.ctx_instance_id == self._context.instance_id
@@ -325,16 +368,20 @@ class CacheSender:
         refusal = self._record(reader, message, mismatch)
         if ours and message.checks_hold and entry.posted and not wrong and not message.failed:
             return  # the reader saw the hold on the board after its READ: it needs no verdict
-        verdict = ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
+        proof = entry.secret if ours else message.proof  # a request we no longer know: echo the reader's own
+        verdict = ReadVerdict(
+            self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal, proof
+        )
         try:
             self._loop.agent.notify(reader, wire.encode(verdict))
         except AgentError as exc:
             log.warning("could not answer reader %s of request %d: %s", reader, message.request_id, exc)
 
-    def _free_slot(self, reader: str, transfer_id: int) -> None:
-        found = self._granted.pop((reader, transfer_id), None)
-        if found is None:
+    def _free_slot(self, reader: str, transfer_id: int, request_id: int) -> None:
+        found = self._granted.get((reader, transfer_id))
+        if found is None or found[0] != request_id:  # a message naming another request never frees this slot
             return
+        del self._granted[(reader, transfer_id)]
         _, slot = found
         if slot.state is SlotState.POISONED:  # its request ended while granted; the reader is now done with it
             self._staging.clear_poison(slot)

@@ -216,6 +216,8 @@ class ContextPhaseParams:
     # other proof that the blocks it read were the request's (docs/design_notes.md). 0: no promise.
     ctx_rank: int = field(default=0, metadata=bounds(0, MAX_RANKS))
     masked_promise: int = 0
+    # The request's secret (nixl_kv.auth): every control message about the request carries it as its proof.
+    secret: bytes = field(default=b"", metadata={"max_bytes": 64})
 
     def problems(self) -> list[str]:
         return [] if self.block_ids else ["block_ids needs one list per ctx CP rank"]

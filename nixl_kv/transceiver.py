@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping
 
 from nixl_kv import wire
+from nixl_kv.auth import KEY_BYTES as AUTH_KEY_BYTES
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
@@ -80,6 +81,7 @@ class CacheTransceiver:
         self._comm = comm or SingleProcessComm()
         self.instance_id: str = self._comm.bcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
         hold_key: bytes = self._comm.bcast(secrets.token_bytes(KEY_BYTES) if self._comm.rank == 0 else None)
+        auth_key: bytes = self._comm.bcast(secrets.token_bytes(AUTH_KEY_BYTES) if self._comm.rank == 0 else None)
         self._board, self._landing = HoldBoard(), LandingRing()
         _check_state(cache_state)
         check_kv_pools(cache.layout, cache_state, self._comm.rank, "this rank")
@@ -137,11 +139,13 @@ class CacheTransceiver:
             cache_state,
             self._serialized_state,
             self.config.lease_ms,
+            auth_key,
             hold_key,
             self._board,
             self.config.hold_promise_ms,
         )
-        self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging)
+        self.metrics = TransferMetrics(self.instance_id)
+        self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging, self.metrics)
         self._receiver = CacheReceiver(
             self._loop,
             cache,
@@ -151,8 +155,8 @@ class CacheTransceiver:
             self._staging,
             self._direct_min_run_bytes(layout),
             landing=self._landing,
+            metrics=self.metrics,
         )
-        self.metrics = TransferMetrics(self.instance_id)
         offset = self._clock_offset()
         common = {
             "timeout_ms": self.config.kv_transfer_timeout_ms,

@@ -93,18 +93,15 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
 
     pair = pair_factory()
     ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
-    pair.prefill(1, 40)
+    secret = wire.decode(pair.prefill(1, 40).context_phase_params, ContextPhaseParams).secret  # the proofs pass
+    instance = pair.ctx.transceiver.instance_id
     gen_agent.load_remote(ctx_agent.metadata(), ctx_agent.name)
     strangers = [NixlAgent(f"stranger-{i}") for i in range(40)]
     try:
         for stranger in strangers:
-            gen_agent.notify(
-                ctx_agent.name, wire.encode(NoReaders(pair.ctx.transceiver.instance_id, 1, stranger.metadata()))
-            )
+            gen_agent.notify(ctx_agent.name, wire.encode(NoReaders(instance, 1, stranger.metadata(), secret)))
         # then a real one: notifications from one sender arrive in order, so once it ends request 1 all were seen
-        gen_agent.notify(
-            ctx_agent.name, wire.encode(NoReaders(pair.ctx.transceiver.instance_id, 1, gen_agent.metadata()))
-        )
+        gen_agent.notify(ctx_agent.name, wire.encode(NoReaders(instance, 1, gen_agent.metadata(), secret)))
         assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
         assert not any(ctx_agent._agent.check_remote_metadata(stranger.name) for stranger in strangers)
         assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
@@ -164,10 +161,12 @@ def test_a_layer_wise_flag_on_a_request_that_is_not_layer_wise_reads_at_once(pai
     assert time.monotonic() - started < 5 and pair.mismatches(5, 1, 40) == 0
 
 
-def _wait_for(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+def _wait_for(condition, timeout_s: float = 5.0, progress=lambda: None) -> bool:  # noqa: ANN001
+    """``progress``: what an agent with no progress loop of its own must do meanwhile (its sends go out then)."""
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
+        progress()
+        time.sleep(0.01)
     return condition()
 
 
@@ -190,3 +189,86 @@ def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_fact
     again = pair.gen_request(6, pair.prefill(2, 40))
     pair.gen.transceiver.request_and_receive_async(again)
     assert _poll(pair, again) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(6, 2, 40) == 0
+
+
+def _secret(request: TransferRequest) -> bytes:
+    return wire.decode(request.context_phase_params, ContextPhaseParams).secret
+
+
+def test_forged_control_messages_from_a_third_agent_change_nothing_on_the_ctx_side(pair_factory) -> None:
+    """An agent that loaded the ctx metadata and knows the instance and request ids, but not the request's
+    secret: its ReadDone (final, failed, 4096 readers), NoReaders, LayerWatch and 16 StageClaims are dropped and
+    counted, no staging slot is taken, and the real reader then completes with the right bytes."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import LayerWatch, NoReaders, ReadDone, StageClaim
+
+    pair = pair_factory()
+    ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
+    ctx_request = pair.prefill(1, 40)
+    free_slots = pair.ctx.transceiver._staging.free_slots
+    intruder = NixlAgent("intruder")
+    try:
+        intruder.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        me, wrong = intruder.metadata(), b"\x00" * 16
+        forged = [
+            ReadDone(instance, 1, 7, me, 1, final=True),
+            ReadDone(instance, 1, 7, me, 1, final=True, failed=True, reason="no", proof=wrong),
+            ReadDone(instance, 1, 7, me, 4096, final=False, proof=wrong),
+            NoReaders(instance, 1, me),
+            LayerWatch(instance, 1, me, wrong),
+            *(StageClaim(instance, 1, 100 + i, me, 3, (0, 4), (0, 2), (0, 3), proof=wrong) for i in range(16)),
+        ]
+        for message in forged:
+            intruder.notify(ctx_agent.name, wire.encode(message))
+        counted = lambda: pair.ctx.transceiver.metrics.snapshot()["ctx"]["forged_messages"]  # noqa: E731
+        assert _wait_for(lambda: counted() == len(forged), progress=intruder.poll_notifications), counted()
+        assert pair.ctx.transceiver._staging.free_slots == free_slots
+        assert ctx_agent.live_handles["remotes"] == 0  # nothing was loaded for them
+        assert intruder.poll_notifications() == []  # nor answered
+        request = pair.gen_request(5, ctx_request)
+        pair.gen.transceiver.request_and_receive_async(request)
+        assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+        assert pair.mismatches(5, 1, 40) == 0
+        assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+        assert ctx_request.error is None
+    finally:
+        intruder.close()
+
+
+@pytest.mark.parametrize("proof", ["none", "the request's secret"])
+def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(pair_factory, proof: str) -> None:
+    """The ctx rank never answers (its answer is lost); an agent under the ctx agent's own name (NIXL allows it)
+    sends ReadVerdict ok for the waiting pull. Without the request's secret it is dropped and the request fails at
+    its lease; with the secret (as only the real ctx rank has it) it would be taken."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import ReadDone, ReadVerdict
+
+    pair = pair_factory(ctx_config={"hold_promise_ms": 0, "lease_ms": 1500})
+    pair.ctx.transceiver._board.post = lambda token, masked=0: False  # no hold check: the pull waits for a verdict
+    pair.ctx.transceiver._loop.on_message(ReadDone, lambda reader, message: None)  # the real answer never comes
+    ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
+    ctx_request = pair.prefill(1, 40)
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    receiver = pair.gen.transceiver._receiver
+    waiting = lambda: [p for _, p in receiver._direct_by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
+    assert _wait_for(lambda: len(waiting()) == 1)
+    (transfer_id,) = receiver._direct_by_transfer
+    impostor = NixlAgent(ctx_agent.name)
+    try:
+        impostor.load_remote(gen_agent.metadata(), gen_agent.name)
+        secret = _secret(ctx_request) if proof != "none" else b""
+        verdict = ReadVerdict(pair.ctx.transceiver.instance_id, 1, transfer_id, True, proof=secret)
+        impostor.notify(gen_agent.name, wire.encode(verdict))
+        forged = lambda: pair.gen.transceiver.metrics.snapshot()["gen"]["forged_messages"]  # noqa: E731
+        assert _wait_for(
+            lambda: forged() == 1 or request.request_id not in receiver._by_request, 5, impostor.poll_notifications
+        )
+        state = _poll(pair, request, timeout_s=5)
+        if proof == "none":
+            assert state is RequestState.TRANS_ERROR and "deadline" in request.error
+            assert pair.gen.transceiver.metrics.snapshot()["gen"]["forged_messages"] == 1
+        else:
+            assert state is RequestState.GENERATION_TRANS_COMPLETE
+    finally:
+        impostor.close()
