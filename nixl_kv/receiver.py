@@ -50,6 +50,7 @@ from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, Tran
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import on_device
 from nixl_kv.metrics import TransferMetrics
+from nixl_kv.params_seal import is_sealed
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.plan_cache import PlanCache
 from nixl_kv.pool_checks import kv_pool_problems
@@ -65,7 +66,11 @@ log = logging.getLogger(__name__)
 RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
 CLAIM_RETRY_S = 1e-3
 SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_GBPS
-SLOW_GBPS = {"DRAM": 2.0, "VRAM": 20.0}  # below: a fallback path (TCP gave 0.9 GB/s on DRAM; cuda_ipc ~390 on VRAM)
+SLOW_GBPS = {
+    "DRAM": 3.0,
+    "VRAM": 20.0,
+}  # below: a fallback path (DRAM, 128 MiB: TCP 1.6-2.0 GB/s, shared memory 5.3-5.5;
+# VRAM: cuda_ipc ~390)
 STUCK_RETRY_S = 0.1
 MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
 LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only if their rows average this
@@ -284,6 +289,8 @@ class CacheReceiver:
     def _prepare(self, request: TransferRequest, future: Future) -> _Incoming:
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
+        if not is_sealed(request.context_phase_params):  # damaged on the way (or not made by a ctx transceiver)
+            raise TransferError(f"the ContextPhaseParams of request {request.request_id} fail their checksum")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         ctx_state, problem = self._decode_state(params.ctx_state)
         if not params.secret:

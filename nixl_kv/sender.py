@@ -31,6 +31,7 @@ from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics
+from nixl_kv.params_seal import encode_params
 from nixl_kv.peers import PEER_IDLE_S
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
@@ -164,7 +165,7 @@ class CacheSender:
             masked_promise=entry.masked_promise if entry.posted and progress is None else 0,
             secret=entry.secret,
         )
-        request.context_phase_params = wire.encode(params)
+        request.context_phase_params = encode_params(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
 

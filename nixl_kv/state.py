@@ -218,6 +218,8 @@ class ContextPhaseParams:
     masked_promise: int = 0
     # The request's secret (nixl_kv.auth): every control message about the request carries it as its proof.
     secret: bytes = field(default=b"", metadata={"max_bytes": 64})
+    # Must stay the last field: the seal over the encoded params (nixl_kv.params_seal), 0 before sealing.
+    checksum: int = 0
 
     def problems(self) -> list[str]:
         return [] if self.block_ids else ["block_ids needs one list per ctx CP rank"]

@@ -23,6 +23,7 @@ from nixl_kv.holds import (
     window_start,
 )
 from nixl_kv.layout import LayoutKind
+from nixl_kv.params_seal import encode_params
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
 from tests.conftest import Pair
@@ -194,7 +195,7 @@ def test_params_whose_promise_does_not_fit_them_are_checked_on_the_board(pair_fa
     else:
         altered = {"ctx_rank": 1}
     request = pair.gen_request(5, ctx_request)
-    request.context_phase_params = wire.encode(ContextPhaseParams(**{**params.__dict__, **altered}))
+    request.context_phase_params = encode_params(ContextPhaseParams(**{**params.__dict__, **altered}))
     pair.gen.transceiver.request_and_receive_async(request)
     state = _poll(pair, request)
     if change == "block ids":  # a token count the ctx never pinned: refused on the board and by the verdict
@@ -246,7 +247,7 @@ def test_params_naming_other_pinned_blocks_are_refused(pair_factory) -> None:
     victim, other = pair.prefill(1, 40), pair.prefill(2, 40)
     params = wire.decode(victim.context_phase_params, ContextPhaseParams)
     other_ids = wire.decode(other.context_phase_params, ContextPhaseParams).block_ids
-    forged = wire.encode(ContextPhaseParams(**{**params.__dict__, "block_ids": other_ids}))
+    forged = encode_params(ContextPhaseParams(**{**params.__dict__, "block_ids": other_ids}))
     pair.gen.cache.allocate(5, 40)
     request = TransferRequest(5, context_phase_params=forged)
     pair.gen.transceiver.request_and_receive_async(request)
@@ -280,7 +281,7 @@ def test_a_peer_claiming_a_board_of_another_size_is_read_the_slow_way(pair_facto
     )
     ctx_request = pair.prefill(1, 40)
     params = wire.decode(ctx_request.context_phase_params, ContextPhaseParams)
-    forged = wire.encode(dataclasses.replace(params, ctx_state=wire.encode(state)))
+    forged = encode_params(dataclasses.replace(params, ctx_state=wire.encode(state)))
     pair.gen.cache.allocate(5, 40)
     request = TransferRequest(5, context_phase_params=forged)
     prepared_before = pair.gen.transceiver._agent.live_handles["prepared"]

@@ -12,6 +12,7 @@ from nixl_kv import wire
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError
+from nixl_kv.params_seal import encode_params
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 from nixl_kv.transceiver import CacheTransceiver
@@ -32,7 +33,7 @@ def _with_ctx_state(params: bytes, change) -> bytes:  # noqa: ANN001
     """The params with their ctx state changed by ``change(state) -> state``."""
     decoded = wire.decode(params, ContextPhaseParams)
     state = change(wire.decode(decoded.ctx_state, DataTransceiverState))
-    return wire.encode(dataclasses.replace(decoded, ctx_state=wire.encode(state)))
+    return encode_params(dataclasses.replace(decoded, ctx_state=wire.encode(state)))
 
 
 def _first_rank(state: DataTransceiverState, **changes: object) -> DataTransceiverState:
@@ -154,7 +155,7 @@ def test_a_layer_wise_flag_on_a_request_that_is_not_layer_wise_reads_at_once(pai
     pair = pair_factory()
     request = pair.gen_request(5, pair.prefill(1, 40))
     params = wire.decode(request.context_phase_params, ContextPhaseParams)
-    request.context_phase_params = wire.encode(dataclasses.replace(params, layerwise=True))
+    request.context_phase_params = encode_params(dataclasses.replace(params, layerwise=True))
     started = time.monotonic()
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
@@ -272,3 +273,27 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
             assert state is RequestState.GENERATION_TRANS_COMPLETE
     finally:
         impostor.close()
+
+
+def test_params_damaged_anywhere_are_refused_before_any_read(pair_factory) -> None:
+    """A flipped bit anywhere in the params (first tokens and draft tokens included, which nothing else checks)
+    fails their checksum: the request ends at once and no READ is posted; the intact params then complete."""
+    pair = pair_factory()
+    agent = pair.gen.transceiver._agent
+    reads: list[int] = []
+    original_read = agent.read
+    agent.read = lambda *args, **kwargs: reads.append(1) or original_read(*args, **kwargs)
+    ctx_request = pair.prefill(1, 40)
+    data = ctx_request.context_phase_params
+    for n, at in enumerate(range(0, len(data), max(1, len(data) // 40))):
+        damaged = bytearray(data)
+        damaged[at] ^= 1 << (n % 8)
+        pair.gen.cache.allocate(100 + n, 40)
+        request = TransferRequest(100 + n, context_phase_params=bytes(damaged))
+        pair.gen.transceiver.request_and_receive_async(request)
+        assert _poll(pair, request, 2) is RequestState.TRANS_ERROR and "fail their checksum" in request.error
+        pair.gen.cache.free(100 + n)
+    assert reads == []
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0

@@ -16,6 +16,7 @@ from nixl_kv.formatters.rnn import RnnFormatter, state_rows
 from nixl_kv.formatters.standard import StandardFormatter
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, rnn_expected
 from nixl_kv.layout import LayoutKind
+from nixl_kv.params_seal import encode_params
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.rnn import conv_sections, rnn_pieces, rnn_readers, rnn_share
@@ -288,13 +289,13 @@ def test_a_slot_outside_the_ctx_pools_is_refused_before_any_read(hybrid_pair: tu
     """Params naming a slot the ctx pools do not have (forged, or from a mismatched build) fail the request."""
     _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
     request, params = respond(ctx_cache, ctx)
-    forged = wire.encode(dataclasses.replace(params, rnn_slot=99))
+    forged = encode_params(dataclasses.replace(params, rnn_slot=99))
     gen_cache.allocate(2, 20)
     received = TransferRequest(2, context_phase_params=forged)
     gen.request_and_receive_sync(received)
     assert received.state is RequestState.TRANS_ERROR
     assert "ctx rank 0: RNN state slot 99 outside its 3 slots" in received.error
-    missing = wire.encode(dataclasses.replace(params, rnn_slot=None))
+    missing = encode_params(dataclasses.replace(params, rnn_slot=None))
     gen_cache.allocate(3, 20)
     received = TransferRequest(3, context_phase_params=missing)
     gen.request_and_receive_sync(received)
@@ -322,7 +323,7 @@ def test_gen_refuses_layerwise_params_with_rnn_state(hybrid_pair: tuple) -> None
     _, (ctx_cache, ctx), (gen_cache, gen) = hybrid_pair
     request, params = respond(ctx_cache, ctx)
     gen_cache.allocate(2, 20)
-    received = TransferRequest(2, context_phase_params=wire.encode(dataclasses.replace(params, layerwise=True)))
+    received = TransferRequest(2, context_phase_params=encode_params(dataclasses.replace(params, layerwise=True)))
     gen.request_and_receive_sync(received)
     assert received.state is RequestState.TRANS_ERROR
     assert "layer-wise transfer of RNN state is not supported" in received.error

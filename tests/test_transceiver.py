@@ -13,6 +13,7 @@ from nixl_kv import wire
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import AgentError, WireFormatError
 from nixl_kv.layout import LayoutKind
+from nixl_kv.params_seal import seal
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import CommState, ContextPhaseParams
 from tests.conftest import Pair, Shape, make_side
@@ -112,15 +113,23 @@ def _corruptions(valid: bytes) -> list[tuple[bytes, str]]:
     ]
 
 
-def test_malformed_params_fail_that_request_and_the_next_one_still_arrives(pair_factory) -> None:
+@pytest.mark.parametrize("sealed", [False, True], ids=["damaged-on-the-way", "made-so"])
+def test_malformed_params_fail_that_request_and_the_next_one_still_arrives(pair_factory, sealed: bool) -> None:
+    """Damaged params fail their checksum before they are decoded; params made malformed (sealed as they are, as
+    a ctx side would) fail decoding with the field's name. Either way the next request arrives."""
     pair = pair_factory()
     good = pair.prefill(1, 50)
     for gen_id, (data, message) in enumerate(_corruptions(good.context_phase_params), start=10):
+        if sealed and data[-9:-8] != b"\xcf":
+            continue  # it cannot end in a checksum
         pair.gen.cache.allocate(gen_id, 50)
-        bad = TransferRequest(gen_id, context_phase_params=data)
+        bad = TransferRequest(gen_id, context_phase_params=seal(data) if sealed else data)
         pair.gen.transceiver.request_and_receive_sync(bad)
         assert bad.state is RequestState.TRANS_ERROR
-        assert "WireFormatError" in bad.error and message in bad.error
+        if sealed:
+            assert "WireFormatError" in bad.error and message in bad.error
+        else:
+            assert f"the ContextPhaseParams of request {gen_id} fail their checksum" in bad.error
     received = _receive(pair, 99, good)
     assert received.state is RequestState.GENERATION_TRANS_COMPLETE, received.error
     assert pair.mismatches(99, 1, 50) == 0
