@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the gen instance meets the ctx instance (CacheTransceiver.connect_to) before the first request",
     )
+    pair.add_argument("--lease-ms", type=int, default=60_000, help="how long the ctx side holds a request's blocks")
+    for role in ("ctx", "gen"):
+        pair.add_argument(
+            f"--{role}-netns",
+            default="",
+            metavar="NAME",
+            help=f"run the {role} instance inside this network namespace (ip netns exec; root): with UCX_TLS=tcp "
+            "the bytes cross the namespaces' link, as between two hosts (scripts/soak.sh)",
+        )
     pair.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return parser
 
@@ -171,6 +180,7 @@ def _pair(args: argparse.Namespace) -> int:
         indexer_dim=args.indexer_dim,
         rnn=args.rnn,
         busy_thread=args.busy_thread,
+        lease_ms=args.lease_ms,
     )
     options = PairOptions(
         args.ctx,
@@ -180,6 +190,8 @@ def _pair(args: argparse.Namespace) -> int:
         args.rounds,
         placement=args.placement,
         connect_ahead=args.connect_ahead,
+        ctx_netns=args.ctx_netns,
+        gen_netns=args.gen_netns,
     )
     try:
         report = run_pair(options, progress=lambda text: print(f"[pair] {text}", file=sys.stderr, flush=True))

@@ -132,6 +132,8 @@ class PairOptions:
     step_timeout_s: float = 300.0
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
     connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
+    ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
+    gen_netns: str = ""
 
 
 @dataclass
@@ -156,6 +158,8 @@ class PairReport:
     per_block_seconds: list[float] = field(default_factory=list)
     raw_bytes: int = 0
     ctx_errors: dict[str, str] = field(default_factory=dict)
+    leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
+    rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
 
     @property
     def verified(self) -> int:
@@ -163,7 +167,11 @@ class PairReport:
 
     @property
     def ok(self) -> bool:
-        return bool(self.results) and self.verified == len(self.results) and not self.ctx_errors
+        return bool(self.results) and self.verified == len(self.results) and not self.ctx_errors and not self.leaked
+
+    @property
+    def leaked(self) -> bool:
+        return any(self.leaks.values())
 
     def steady_latencies_s(self) -> list[float]:
         """Latencies of the requests of every round but the first (which pays first contact), or of the only one."""
@@ -195,6 +203,9 @@ class PairReport:
             "latency_p99_us": 1e6 * percentile(latencies, 0.99) if latencies else None,
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
+            "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
+            "leaks": self.leaks,
+            "rss_growth_kb": self.rss_growth_kb,
             "ok": self.ok,
         }
 
@@ -208,11 +219,14 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 class Worker:
     """A ctx or gen process; replies are read by a thread so every wait can have a deadline."""
 
-    def __init__(self, role: str, spec: InstanceSpec) -> None:
+    def __init__(self, role: str, spec: InstanceSpec, netns: str = "") -> None:
         self.role = role
+        self.ready_rss_kb = 0
         command = [sys.executable, "-m", "nixl_kv.harness.pair_worker", role, spec_json(spec)]
         if spec.world_size > 1:
             command = [_mpiexec(), "-n", str(spec.world_size), *command]
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -245,14 +259,17 @@ class Worker:
             raise RuntimeError(f"{self.role} instance answered {reply.get('op')!r}, expected {op!r}")
         return reply
 
-    def stop(self) -> None:
+    def stop(self) -> dict[str, Any]:
+        """Quit; returns the instance's goodbye (its leaks and resident memory), empty if it had to be killed."""
         try:
             self.send(op="quit")
-            self.expect("bye", 30)
+            bye = self.expect("bye", 30)
             self.process.wait(timeout=30)
+            return bye
         except (RuntimeError, OSError, subprocess.TimeoutExpired):
             self.process.kill()
             self.process.wait()
+            return {}
 
 
 def _mpiexec() -> str:
@@ -289,10 +306,12 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     elif options.placement != "default":
         raise ValueError(f"bad placement {options.placement!r}: one of {', '.join(PLACEMENTS)}")
     report = PairReport()
-    ctx, gen = Worker("ctx", ctx_spec), Worker("gen", gen_spec)
+    ctx, gen = Worker("ctx", ctx_spec, options.ctx_netns), Worker("gen", gen_spec, options.gen_netns)
     try:
         ctx_ready = ctx.expect("ready", WORKER_START_S)
-        gen_ranks = gen.expect("ready", WORKER_START_S)["ranks"]
+        gen_ready = gen.expect("ready", WORKER_START_S)
+        gen_ranks = gen_ready["ranks"]
+        ctx.ready_rss_kb, gen.ready_rss_kb = ctx_ready.get("rss_kb", 0), gen_ready.get("rss_kb", 0)
         say(f"ctx instance ({ctx_ready['ranks']} ranks) and gen instance ({gen_ranks} ranks) are up")
         if options.connect_ahead:
             gen.send(op="connect", state=ctx_ready["state"])
@@ -304,8 +323,11 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
         block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
     finally:
-        ctx.stop()
-        gen.stop()
+        for worker in (ctx, gen):
+            bye = worker.stop()
+            report.leaks[worker.role] = {name: count for name, count in bye.get("live", {}).items() if count}
+            if bye and worker.ready_rss_kb:
+                report.rss_growth_kb[worker.role] = bye.get("rss_kb", 0) - worker.ready_rss_kb
     return report
 
 
@@ -383,4 +405,6 @@ def format_table(report: PairReport) -> str:
         )
     if s["ctx_errors"]:
         lines.append(f"ctx side errors: {s['ctx_errors']}")
+    if report.leaked:
+        lines.append(f"LEFT AFTER CLOSE: {s['leaks']}")
     return "\n".join(lines)

@@ -547,7 +547,7 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
     baseline: RawReadBaseline | None = None
     if lead:
         state = instance.transceiver.get_serialized_data_transceiver_state()
-        emit(op="ready", ranks=comm.size, state=base64.b64encode(state).decode())
+        emit(op="ready", ranks=comm.size, state=base64.b64encode(state).decode(), rss_kb=_rss_kb())
     try:
         while True:
             command = comm.bcast(json.loads(sys.stdin.readline() or '{"op": "quit"}') if lead else None)
@@ -590,8 +590,18 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
         if baseline is not None:
             baseline.close()
         instance.close()
+    live = comm.allgather(instance.transceiver._agent.live_handles)  # all zero: close released everything
     if lead:
-        emit(op="bye")
+        emit(op="bye", live={name: sum(counts[name] for counts in live) for name in live[0]}, rss_kb=_rss_kb())
+
+
+def _rss_kb() -> int:
+    """This process's resident memory (Linux), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            return next((int(line.split()[1]) for line in status if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
 
 
 def _first_per_request(per_rank: list[list[tuple[int, str]]]) -> list[tuple[int, str]]:

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Two "hosts" on one machine (needs root): the ctx and gen instances of `nixl-kv pair` run in two network namespaces
+# joined by a veth pair, UCX over TCP between them. Three phases of the mixed request list: a clean link; a link
+# limited to 200 Mbit/s (tc tbf); and the link down for longer than the lease in the middle of a run, then back up.
+# One table row per phase: requests by outcome, wrong bytes, the slowest failure against the lease, whether the run
+# ended by itself (no hang), what the instances held after close, resident memory growth. Exits 1 on wrong bytes,
+# a hang, a leak, or a clean phase that did not verify everything. The namespaces are removed on exit, even on
+# failure. (tc netem is not in this machine's kernel: no delay, loss or reorder phase.)
+# Usage: scripts/soak.sh [ROUNDS]   rounds of the request list per phase (20 by default; 4 requests per round)
+source "$(dirname "$0")/_env.sh"
+set +e +o pipefail -u  # a phase's verdict is its table row's, not pair's exit status
+ROUNDS="${1:-20}"
+LEASE_MS=3000
+CTX=nkv-soak-ctx GEN=nkv-soak-gen
+cleanup() { ip netns del "$CTX" 2>/dev/null || true; ip netns del "$GEN" 2>/dev/null || true; }
+trap cleanup EXIT
+cleanup
+ip netns add "$CTX" && ip netns add "$GEN" || exit 1
+ip link add nkv-soak-c netns "$CTX" type veth peer name nkv-soak-g netns "$GEN" || exit 1
+ip -n "$CTX" addr add 10.250.7.1/24 dev nkv-soak-c && ip -n "$GEN" addr add 10.250.7.2/24 dev nkv-soak-g || exit 1
+for ns in "$CTX" "$GEN"; do ip -n "$ns" link set lo up; done
+ip -n "$CTX" link set nkv-soak-c up && ip -n "$GEN" link set nkv-soak-g up || exit 1
+wait_up() {  # UCX finds no TCP device on a veth whose carrier is not up yet (NIXL_ERR_BACKEND at start)
+  for _ in $(seq 100); do
+    [ "$(ip netns exec "$1" cat "/sys/class/net/$2/operstate")" = up ] && return 0
+    sleep 0.05
+  done
+  echo "$2 in $1 did not come up" >&2
+  return 1
+}
+export UCX_TLS=tcp,self UCX_NET_DEVICES=nkv-soak-c,nkv-soak-g
+PAIR=(python -m nixl_kv.cli pair --ctx-netns "$CTX" --gen-netns "$GEN" --lease-ms "$LEASE_MS" --json
+  --layers 4 --kv-heads 4 --head-dim 64 --tokens-per-block 16 --requests 1,40,300,1000)
+read -r -d '' ROW <<'PY'
+import json, sys
+phase, rc, lease_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+hung = "HUNG" if rc == 124 else "no"
+lines = [line for line in sys.stdin.read().splitlines() if line.startswith("{")]
+if not lines:
+    print(f"| {phase} | - | - | - | - | - | {hung} (rc {rc}) | - | - | - |")
+    sys.exit(1)
+s = json.loads(lines[-1])
+slow = s["slowest_failure_s"]
+past = "-" if slow is None else f"{slow:.2f} s (lease {lease_s:.0f} s)"
+leaks = {k: v for k, v in s["leaks"].items() if v} or "none"
+rss = ", ".join(f"{k} {v / 1024:+.0f} MiB" for k, v in s["rss_growth_kb"].items())
+gbps = f"{s['gbps']:.2f}" if s["gbps"] else "-"
+print(f"| {phase} | {s['requests']} | {s['verified']} | {s['failed']} | {s['mismatched_elements']} | {past} | {hung} | "
+      f"{leaks} | {rss} | {gbps} |")
+bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or (phase.startswith("clean") and s["failed"])
+sys.exit(1 if bad else 0)
+PY
+LOGS="$(mktemp -d)"
+wait_up "$CTX" nkv-soak-c && wait_up "$GEN" nkv-soak-g || exit 1
+phase() {  # phase NAME ROUNDS: one pair run, one table row; its stderr goes to $LOGS and is shown on failure
+  local name="$1" rounds="$2" rc
+  timeout 600 "${PAIR[@]}" --rounds "$rounds" >"$LOGS/out" 2>"$LOGS/err"
+  rc=$?
+  if ! python -c "$ROW" "$name" "$rc" $((LEASE_MS / 1000)) <"$LOGS/out"; then
+    status=1
+    tail -20 "$LOGS/err" >&2
+  fi
+}
+status=0
+echo "| phase | requests | verified | failed | wrong elements | slowest failure | hang | left after close | RSS growth | GB/s |"
+echo "|---|---:|---:|---:|---:|---|---|---|---|---:|"
+phase "clean link" "$ROUNDS"
+for side in "$CTX nkv-soak-c" "$GEN nkv-soak-g"; do
+  set -- $side
+  ip netns exec "$1" tc qdisc add dev "$2" root tbf rate 200mbit burst 256kb latency 100ms || status=1
+done
+phase "200 Mbit/s link" "$ROUNDS"
+ip netns exec "$CTX" tc qdisc del dev nkv-soak-c root; ip netns exec "$GEN" tc qdisc del dev nkv-soak-g root
+DOWN_S=$((LEASE_MS / 1000 + 2))  # longer than the lease: requests in flight then must end by their deadline
+( sleep 3; ip -n "$GEN" link set nkv-soak-g down; sleep "$DOWN_S"; ip -n "$GEN" link set nkv-soak-g up ) &
+DOWN_JOB=$!
+phase "link down ${DOWN_S} s mid-run" $((ROUNDS * 10))
+wait "$DOWN_JOB"
+rm -rf "$LOGS"
+exit "$status"
