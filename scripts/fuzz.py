@@ -4,7 +4,8 @@ Three targets, ``--inputs`` mutated inputs each (100,000 by default):
 - the wire decoder, for the params, a ctx state and every control message: only ``WireFormatError`` may come
   out, and whatever decodes must encode back to bytes that decode to the same object;
 - ``NixlAgent.load_remote`` on mutated agent metadata: only ``AgentError``, and nothing left loaded after a
-  refusal;
+  refusal; inputs that abort the process inside UCX (no Python code can catch that) are counted and the last
+  one is kept in ``fuzz_metadata_abort.hex``;
 - a real gen transceiver fed mutated params of a live ctx request (``--requests`` of them, 2,000 by default;
   half of them sealed again after the damage, as a ctx side that made them so would, to get past the checksum):
   each must end (complete or error) by its deadline, and one that completes must hold the request's exact bytes
@@ -19,7 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,16 +94,48 @@ def fuzz_decoder(samples: list[bytes], inputs: int, rng: random.Random) -> None:
     print(f"decoder: {inputs} inputs, {decoded} decoded, {refused} refused ({time.monotonic() - start:.0f} s)")
 
 
-def fuzz_metadata(inputs: int, rng: random.Random) -> None:
+def fuzz_metadata(inputs: int, seed: int) -> None:
+    """In child processes: a malformed blob can abort the process inside UCX. Each abort is counted (the input is
+    kept in ``fuzz_metadata_abort.hex``) and the next child goes on after it."""
+    start, aborts, counts = 0, 0, {"loaded": 0, "refused": 0}
+    began = time.monotonic()
+    progress = Path(tempfile.mkdtemp()) / "index"
+    while start < inputs:
+        child = subprocess.run(
+            [sys.executable, __file__, "--metadata-child", str(start), str(inputs), str(seed), str(progress)],
+            capture_output=True,
+        )
+        if child.returncode == 0:
+            for line in child.stdout.decode(errors="replace").splitlines():
+                name, _, value = line.partition("=")
+                if name in counts and value.isdigit():  # (NIXL logs to stdout too)
+                    counts[name] += int(value)
+            break
+        at, loaded, refused, data_hex = progress.read_text().split(" ")
+        counts["loaded"] += int(loaded)
+        counts["refused"] += int(refused)
+        if child.returncode != -signal.SIGABRT:
+            detail = child.stderr[-500:].decode(errors="replace")
+            fail("metadata", bytes.fromhex(data_hex), f"child ended with {child.returncode}: {detail}")
+        aborts += 1
+        Path("fuzz_metadata_abort.hex").write_text(data_hex)
+        start = int(at) + 1
+    print(
+        f"agent metadata: {inputs} inputs, {counts['loaded']} loaded, {counts['refused']} refused, {aborts} aborted "
+        f"the process inside UCX ({time.monotonic() - began:.0f} s)"
+    )
+
+
+def metadata_child(start: int, inputs: int, seed: int, progress: Path) -> None:
     from nixl_kv.agents.nixl_agent import NixlAgent
 
     owner, target = NixlAgent("fuzz-owner"), NixlAgent("fuzz-target")
     real = target.metadata()
     loaded = refused = 0
-    start = time.monotonic()
     try:
-        for _ in range(inputs):
-            data = mutate(real, rng)
+        for index in range(start, inputs):
+            data = mutate(real, random.Random(seed * 1_000_003 + index))
+            progress.write_text(f"{index} {loaded} {refused} {data.hex()}")  # read back if UCX aborts
             try:
                 owner.load_remote(data, target.name)
             except AgentError:
@@ -114,7 +150,7 @@ def fuzz_metadata(inputs: int, rng: random.Random) -> None:
     finally:
         owner.close()
         target.close()
-    print(f"agent metadata: {inputs} inputs, {loaded} loaded, {refused} refused ({time.monotonic() - start:.0f} s)")
+    print(f"loaded={loaded}\nrefused={refused}")
 
 
 def fuzz_transceiver(requests: int, rng: random.Random) -> None:
@@ -173,11 +209,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", choices=("decoder", "metadata", "transceiver"))
+    parser.add_argument("--metadata-child", nargs=4, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.metadata_child:
+        start, inputs, seed, progress = options.metadata_child
+        metadata_child(int(start), int(inputs), int(seed), Path(progress))
+        return
     rng = random.Random(options.seed)
     targets: dict[str, Callable[[], None]] = {
         "decoder": lambda: fuzz_decoder(samples(), options.inputs, rng),
-        "metadata": lambda: fuzz_metadata(options.inputs, rng),
+        "metadata": lambda: fuzz_metadata(options.inputs, options.seed),
         "transceiver": lambda: fuzz_transceiver(options.requests, rng),
     }
     for name, run in targets.items():

@@ -13,6 +13,7 @@ from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.params_seal import encode_params
+from nixl_kv.protocol import ReadVerdict
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 from nixl_kv.transceiver import CacheTransceiver
@@ -87,22 +88,23 @@ def test_a_ctx_state_with_unusable_metadata_fails_that_request_only(pair_factory
 
 
 def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factory) -> None:
-    """A message from agent G carrying the metadata of agent H: the ctx ignores it and keeps nothing loaded (it
-    once kept every such H: 2,000 messages left 2,001 remote agents)."""
+    """A message from agent G carrying the metadata of agent H (its proof right): the ctx refuses the metadata and
+    keeps nothing loaded (it once kept every such H: 2,000 messages left 2,001 remote agents)."""
     from nixl_kv.agents.nixl_agent import NixlAgent
-    from nixl_kv.protocol import NoReaders
+    from nixl_kv.protocol import ReadDone
 
     pair = pair_factory()
     ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
-    secret = wire.decode(pair.prefill(1, 40).context_phase_params, ContextPhaseParams).secret  # the proofs pass
+    secret = _secret(pair.prefill(1, 40))
     instance = pair.ctx.transceiver.instance_id
     gen_agent.load_remote(ctx_agent.metadata(), ctx_agent.name)
     strangers = [NixlAgent(f"stranger-{i}") for i in range(40)]
     try:
-        for stranger in strangers:
-            gen_agent.notify(ctx_agent.name, wire.encode(NoReaders(instance, 1, stranger.metadata(), secret)))
+        for i, stranger in enumerate(strangers):
+            message = ReadDone(instance, 1, 100 + i, stranger.metadata(), 1, final=False, proof=secret)
+            gen_agent.notify(ctx_agent.name, wire.encode(message))
         # then a real one: notifications from one sender arrive in order, so once it ends request 1 all were seen
-        gen_agent.notify(ctx_agent.name, wire.encode(NoReaders(instance, 1, gen_agent.metadata(), secret)))
+        gen_agent.notify(ctx_agent.name, wire.encode(ReadDone(instance, 1, 99, gen_agent.metadata(), 1, proof=secret)))
         assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
         assert not any(ctx_agent._agent.check_remote_metadata(stranger.name) for stranger in strangers)
         assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
@@ -297,3 +299,30 @@ def test_params_damaged_anywhere_are_refused_before_any_read(pair_factory) -> No
     request = pair.gen_request(5, ctx_request)
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0
+
+
+def test_metadata_from_a_message_that_proves_nothing_is_never_loaded(pair_factory) -> None:
+    """A ReadDone or StageClaim about a request the ctx rank does not hold, from an agent it does not know: not
+    answered, and its metadata not loaded (a malformed blob aborts the process inside UCX: scripts/fuzz.sh). The
+    same agent proving a live request's secret is loaded and answered."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import ReadDone, StageClaim
+
+    pair = pair_factory()
+    ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
+    stranger = NixlAgent("stranger")
+    try:
+        stranger.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        me = stranger.metadata()
+        stranger.notify(ctx_agent.name, wire.encode(ReadDone(instance, 999, 1, me, 1)))
+        stranger.notify(ctx_agent.name, wire.encode(StageClaim(instance, 998, 2, me, 1, (0, 1), (0, 1), (0, 1))))
+        answers: list = []
+        listen = lambda: answers.extend(stranger.poll_notifications())  # noqa: E731
+        _wait_for(lambda: False, 1.5, listen)  # past the 1 s an early claim is parked for
+        assert answers == [] and ctx_agent.live_handles["remotes"] == 0
+        ctx_request = pair.prefill(1, 40)
+        stranger.notify(ctx_agent.name, wire.encode(ReadDone(instance, 1, 3, me, 1, proof=_secret(ctx_request))))
+        assert _wait_for(lambda: len(answers) == 1, progress=listen) and ctx_agent.live_handles["remotes"] == 1
+        assert wire.decode(answers[0][1], ReadVerdict).request_id == 1
+    finally:
+        stranger.close()
