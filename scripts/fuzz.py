@@ -4,8 +4,8 @@ Three targets, ``--inputs`` mutated inputs each (100,000 by default):
 - the wire decoder, for the params, a ctx state and every control message: only ``WireFormatError`` may come
   out, and whatever decodes must encode back to bytes that decode to the same object;
 - ``NixlAgent.load_remote`` on mutated agent metadata: only ``AgentError``, and nothing left loaded after a
-  refusal; inputs that abort the process inside UCX (no Python code can catch that) are counted and the last
-  one is kept in ``fuzz_metadata_abort.hex``;
+  refusal; inputs that kill the process inside UCX or NIXL (SIGABRT, SIGSEGV: no Python code can catch that)
+  are counted and the last one is kept in ``fuzz_metadata_abort.hex``;
 - a real gen transceiver fed mutated params of a live ctx request (``--requests`` of them, 2,000 by default;
   half of them sealed again after the damage, as a ctx side that made them so would, to get past the checksum):
   each must end (complete or error) by its deadline, and one that completes must hold the request's exact bytes
@@ -18,7 +18,6 @@ target; exits 1 on the first input that breaks a rule (its bytes are printed in 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import signal
 import subprocess
@@ -78,7 +77,7 @@ def fail(what: str, data: bytes, detail: str) -> None:
 def fuzz_decoder(samples: list[bytes], inputs: int, rng: random.Random) -> None:
     decoded = refused = 0
     start = time.monotonic()
-    for i in range(inputs):
+    for i in range(inputs * len(samples)):  # ``inputs`` of each sample
         data = mutate(samples[i % len(samples)], rng)
         try:
             obj = wire.decode_one_of(data, CLASSES)
@@ -91,12 +90,16 @@ def fuzz_decoder(samples: list[bytes], inputs: int, rng: random.Random) -> None:
         if again != obj:
             fail("decoder round trip", data, f"{obj!r} != {again!r}")
         decoded += 1
-    print(f"decoder: {inputs} inputs, {decoded} decoded, {refused} refused ({time.monotonic() - start:.0f} s)")
+    total = inputs * len(samples)
+    print(
+        f"decoder: {total} inputs ({inputs} for each of {len(samples)} samples: params, ctx state, every control "
+        f"message), {decoded} decoded, {refused} refused ({time.monotonic() - start:.0f} s)"
+    )
 
 
 def fuzz_metadata(inputs: int, seed: int) -> None:
-    """In child processes: a malformed blob can abort the process inside UCX. Each abort is counted (the input is
-    kept in ``fuzz_metadata_abort.hex``) and the next child goes on after it."""
+    """In child processes: a malformed blob can abort or crash the process inside UCX or NIXL. Each such input is
+    counted (the last is kept in ``fuzz_metadata_abort.hex``) and the next child goes on after it."""
     start, aborts, counts = 0, 0, {"loaded": 0, "refused": 0}
     began = time.monotonic()
     progress = Path(tempfile.mkdtemp()) / "index"
@@ -114,15 +117,15 @@ def fuzz_metadata(inputs: int, seed: int) -> None:
         at, loaded, refused, data_hex = progress.read_text().split(" ")
         counts["loaded"] += int(loaded)
         counts["refused"] += int(refused)
-        if child.returncode != -signal.SIGABRT:
+        if child.returncode not in (-signal.SIGABRT, -signal.SIGSEGV):
             detail = child.stderr[-500:].decode(errors="replace")
             fail("metadata", bytes.fromhex(data_hex), f"child ended with {child.returncode}: {detail}")
         aborts += 1
         Path("fuzz_metadata_abort.hex").write_text(data_hex)
         start = int(at) + 1
     print(
-        f"agent metadata: {inputs} inputs, {counts['loaded']} loaded, {counts['refused']} refused, {aborts} aborted "
-        f"the process inside UCX ({time.monotonic() - began:.0f} s)"
+        f"agent metadata: {inputs} inputs, {counts['loaded']} loaded, {counts['refused']} refused, {aborts} killed "
+        f"the process inside UCX/NIXL (SIGABRT or SIGSEGV) ({time.monotonic() - began:.0f} s)"
     )
 
 
@@ -252,7 +255,7 @@ def samples() -> list[bytes]:
         LayerWatch("i", 7, meta, proof),
         LayersReady("i", 7, 12, proof),
     ]
-    return [params, state, *(wire.encode(m) for m in messages), wire.encode(dataclasses.replace(messages[0]))]
+    return [params, state, *(wire.encode(m) for m in messages)]
 
 
 if __name__ == "__main__":
