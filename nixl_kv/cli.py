@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gen instance meets the ctx instance (CacheTransceiver.connect_to) before the first request",
     )
     pair.add_argument("--lease-ms", type=int, default=60_000, help="how long the ctx side holds a request's blocks")
+    pair.add_argument(
+        "--faults",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="inject a fault into this fraction of requests: corrupted params (must fail), forged control messages "
+        "from a third agent (must change nothing), a gen-side cancel (either way); never wrong bytes",
+    )
     for role in ("ctx", "gen"):
         pair.add_argument(
             f"--{role}-netns",
@@ -190,6 +198,7 @@ def _pair(args: argparse.Namespace) -> int:
         args.rounds,
         placement=args.placement,
         connect_ahead=args.connect_ahead,
+        faults=args.faults,
         ctx_netns=args.ctx_netns,
         gen_netns=args.gen_netns,
     )

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Two "hosts" on one machine (needs root): the ctx and gen instances of `nixl-kv pair` run in two network namespaces
-# joined by a veth pair, UCX over TCP between them. Three phases of the mixed request list: a clean link; a link
-# limited to 200 Mbit/s (tc tbf); and the link down for longer than the lease in the middle of a run, then back up.
-# One table row per phase: requests by outcome, wrong bytes, the slowest failure against the lease, whether the run
-# ended by itself (no hang), what the instances held after close, resident memory growth. Exits 1 on wrong bytes,
-# a hang, a leak, or a clean phase that did not verify everything. The namespaces are removed on exit, even on
+# joined by a veth pair, UCX over TCP between them. Four phases of the mixed request list: a clean link; the same
+# with faults in 10% of the requests (corrupted params, forged control messages from a third agent, gen-side
+# cancels: nixl-kv pair --faults); a link limited to 200 Mbit/s (tc tbf); and the link down for longer than the lease
+# in the middle of a run, then back up. One table row per phase: requests by outcome, the faults injected and any
+# request that did not end as its fault says it must, wrong bytes, the slowest failure against the lease, whether
+# the run ended by itself (no hang), what the instances held after close, resident memory growth, and the forged
+# messages the ctx instance dropped. Exits 1 on wrong bytes, a hang, a leak, or (outside the link-down phase) a
+# request that did not end as it must. The namespaces are removed on exit, even on
 # failure. (tc netem is not in this machine's kernel: no delay, loss or reorder phase.)
 # Usage: scripts/soak.sh [ROUNDS]   rounds of the request list per phase (20 by default; 4 requests per round)
 source "$(dirname "$0")/_env.sh"
@@ -37,7 +40,7 @@ phase, rc, lease_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 hung = "HUNG" if rc == 124 else "no"
 lines = [line for line in sys.stdin.read().splitlines() if line.startswith("{")]
 if not lines:
-    print(f"| {phase} | - | - | - | - | - | {hung} (rc {rc}) | - | - | - |")
+    print(f"| {phase} | - | - | - | - | - | - | - | {hung} (rc {rc}) | - | - | - | - |")
     sys.exit(1)
 s = json.loads(lines[-1])
 slow = s["slowest_failure_s"]
@@ -45,16 +48,20 @@ past = "-" if slow is None else f"{slow:.2f} s (lease {lease_s:.0f} s)"
 leaks = {k: v for k, v in s["leaks"].items() if v} or "none"
 rss = ", ".join(f"{k} {v / 1024:+.0f} MiB" for k, v in s["rss_growth_kb"].items())
 gbps = f"{s['gbps']:.2f}" if s["gbps"] else "-"
-print(f"| {phase} | {s['requests']} | {s['verified']} | {s['failed']} | {s['mismatched_elements']} | {past} | {hung} | "
-      f"{leaks} | {rss} | {gbps} |")
-bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or (phase.startswith("clean") and s["failed"])
+faults = ", ".join(f"{n} {kind}" for kind, n in s["faults"].items() if n) or "-"
+forged = s["forged_messages"].get("ctx", 0)
+print(f"| {phase} | {s['requests']} | {s['verified']} | {s['failed']} | {faults} | {s['unexpected']} | "
+      f"{s['mismatched_elements']} | {past} | {hung} | {leaks} | {rss} | {forged} | {gbps} |")
+link_down = phase.startswith("link down")  # there, requests without a fault may fail (by their deadline)
+bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or (s["unexpected"] and not link_down)
 sys.exit(1 if bad else 0)
 PY
 LOGS="$(mktemp -d)"
 wait_up "$CTX" nkv-soak-c && wait_up "$GEN" nkv-soak-g || exit 1
-phase() {  # phase NAME ROUNDS: one pair run, one table row; its stderr goes to $LOGS and is shown on failure
+phase() {  # phase NAME ROUNDS [PAIR OPTIONS]: one pair run, one table row; its stderr is shown on failure
   local name="$1" rounds="$2" rc
-  timeout 600 "${PAIR[@]}" --rounds "$rounds" >"$LOGS/out" 2>"$LOGS/err"
+  shift 2
+  timeout 600 "${PAIR[@]}" --rounds "$rounds" "$@" >"$LOGS/out" 2>"$LOGS/err"
   rc=$?
   if ! python -c "$ROW" "$name" "$rc" $((LEASE_MS / 1000)) <"$LOGS/out"; then
     status=1
@@ -62,9 +69,11 @@ phase() {  # phase NAME ROUNDS: one pair run, one table row; its stderr goes to 
   fi
 }
 status=0
-echo "| phase | requests | verified | failed | wrong elements | slowest failure | hang | left after close | RSS growth | GB/s |"
-echo "|---|---:|---:|---:|---:|---|---|---|---|---:|"
+echo "| phase | requests | verified | failed | faults injected | not as they must end | wrong elements | slowest failure |" \
+  "hang | left after close | RSS growth | forged messages dropped (ctx) | GB/s |"
+echo "|---|---:|---:|---:|---|---:|---:|---|---|---|---|---:|---:|"
 phase "clean link" "$ROUNDS"
+phase "clean link, faults in 10% of requests" "$ROUNDS" --faults 0.1
 for side in "$CTX nkv-soak-c" "$GEN nkv-soak-g"; do
   set -- $side
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate 200mbit burst 256kb latency 100ms || status=1
@@ -72,9 +81,20 @@ done
 phase "200 Mbit/s link" "$ROUNDS"
 ip netns exec "$CTX" tc qdisc del dev nkv-soak-c root; ip netns exec "$GEN" tc qdisc del dev nkv-soak-g root
 DOWN_S=$((LEASE_MS / 1000 + 2))  # longer than the lease: requests in flight then must end by their deadline
-( sleep 3; ip -n "$GEN" link set nkv-soak-g down; sleep "$DOWN_S"; ip -n "$GEN" link set nkv-soak-g up ) &
+: >"$LOGS/err"  # (the last phase's progress must not start the next one's fault)
+(  # once the run is under way (its 5th round started), the gen's end of the link goes down, then up
+  for _ in $(seq 600); do grep -q "round 5/" "$LOGS/err" 2>/dev/null && break; sleep 0.05; done
+  ip -n "$GEN" link set nkv-soak-g down
+  at_down="$(grep -a -o "round [0-9]*/" "$LOGS/err" | tail -1)"
+  sleep "$DOWN_S"
+  ip -n "$GEN" link set nkv-soak-g up
+  echo "(the link went down in ${at_down%/} and came back up in $(grep -a -o "round [0-9]*/" "$LOGS/err" | tail -1 \
+    | tr -d /) of the link-down phase)" >"$LOGS/link"
+) &
 DOWN_JOB=$!
 phase "link down ${DOWN_S} s mid-run" $((ROUNDS * 10))
 wait "$DOWN_JOB"
+echo
+cat "$LOGS/link"
 rm -rf "$LOGS"
 exit "$status"

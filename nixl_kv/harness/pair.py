@@ -22,6 +22,7 @@ from typing import Any
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
+from nixl_kv.harness import faults
 from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec, spec_json
 from nixl_kv.rnn import check_split
 from nixl_kv.state import ConvSectionLayout
@@ -133,6 +134,7 @@ class PairOptions:
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
     connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
     ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
+    faults: float = 0.0  # this fraction of requests gets one of harness.faults.FAULTS
     gen_netns: str = ""
 
 
@@ -146,6 +148,7 @@ class RequestResult:
     verified: bool
     mismatched: int
     error: str | None
+    fault: str = ""  # the fault injected into it (harness.faults), "" for none
     latency_s: float | None = None  # gen side: from before request_and_receive_async to the check reporting it done
 
 
@@ -160,14 +163,23 @@ class PairReport:
     ctx_errors: dict[str, str] = field(default_factory=dict)
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
+    forged_messages: dict[str, int] = field(default_factory=dict)  # per instance: control messages it dropped
 
     @property
     def verified(self) -> int:
         return sum(r.verified for r in self.results)
 
     @property
+    def unexpected(self) -> list[RequestResult]:
+        """Requests that did not end as they must: every request without a fault verifies, each fault has its
+        rule (harness.faults.as_expected), and no completed request holds a wrong element."""
+        return [r for r in self.results if r.mismatched or not faults.as_expected(r.fault, r.verified, r.error)]
+
+    @property
     def ok(self) -> bool:
-        return bool(self.results) and self.verified == len(self.results) and not self.ctx_errors and not self.leaked
+        faulted = {str(r.request_id) for r in self.results if r.fault}
+        ctx_errors = set(self.ctx_errors) - faulted  # a faulted request may end in error on the ctx side too
+        return bool(self.results) and not self.unexpected and not ctx_errors and not self.leaked
 
     @property
     def leaked(self) -> bool:
@@ -204,6 +216,9 @@ class PairReport:
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
+            "faults": {fault: sum(r.fault == fault for r in self.results) for fault in faults.FAULTS if self.results},
+            "unexpected": len(self.unexpected),
+            "forged_messages": self.forged_messages,
             "leaks": self.leaks,
             "rss_growth_kb": self.rss_growth_kb,
             "ok": self.ok,
@@ -328,6 +343,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             report.leaks[worker.role] = {name: count for name, count in bye.get("live", {}).items() if count}
             if bye and worker.ready_rss_kb:
                 report.rss_growth_kb[worker.role] = bye.get("rss_kb", 0) - worker.ready_rss_kb
+            report.forged_messages[worker.role] = bye.get("forged_messages", 0)
     return report
 
 
@@ -341,7 +357,7 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
         reply = ctx.expect("params", options.step_timeout_s)
         if reply["request_id"] != rid:
             raise RuntimeError(f"ctx instance sent params for request {reply['request_id']}, expected {rid}")
-        items.append([rid + 1_000_000, rid, tokens, reply["params"]])
+        items.append([rid + 1_000_000, rid, tokens, reply["params"], faults.choose(options.faults, rid)])
     ctx.expect("sent", options.step_timeout_s)
     say(f"round {round_index + 1}/{options.rounds}: gen pulls and verifies {count} requests")
     gen.send(op="receive", items=items)

@@ -28,6 +28,7 @@ from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
+from nixl_kv.harness import faults as faults_module
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.memory import allocate, array_module, region_of
@@ -243,6 +244,7 @@ class Instance:
         )
         self.transceiver = CacheTransceiver(self.cache, self.cache_state, config, comm)
         self.requests: list[TransferRequest] = []
+        self._forger: faults_module.Forger | None = None
 
     def share(self, num_tokens: int) -> Share:
         blocks = -(-num_tokens // self.spec.tokens_per_block)
@@ -313,24 +315,34 @@ class Instance:
 
     # --- gen ---------------------------------------------------------------------------------------------
     def receive(self, items: list[list[Any]]) -> tuple[float, list[dict[str, Any]]]:
-        """Items are (gen request id, ctx request id, tokens, params); this rank's share of all is pulled at once."""
-        mine = []
-        for index, (gen_id, ctx_id, num_tokens, params) in enumerate(items):
+        """Items are (gen request id, ctx request id, tokens, params, fault); this rank's share of all is pulled at
+        once. ``fault`` (harness.faults) is injected into that request."""
+        mine, faults = [], {}
+        for index, (gen_id, ctx_id, num_tokens, params, fault) in enumerate(items):
             if self.holds(index):
                 where = self.allocate(gen_id, num_tokens)
                 self._hold_prefix(gen_id, ctx_id, where)
+                data = base64.b64decode(params)
+                if fault == "corrupt":
+                    data = faults_module.corrupt(data, gen_id)
+                elif fault == "forge":
+                    self._forger = self._forger or faults_module.Forger()
+                    self._forger.forge(data)
+                faults[gen_id] = fault
                 request = TransferRequest(
-                    gen_id, context_phase_params=base64.b64decode(params), reused_blocks=self.spec.reuse_prefix_blocks
+                    gen_id, context_phase_params=data, reused_blocks=self.spec.reuse_prefix_blocks
                 )
                 mine.append((request, where))
         start, started = time.perf_counter(), {}
         for request, _ in mine:
             started[request.request_id] = time.perf_counter()
             self.transceiver.request_and_receive_async(request)
+            if faults[request.request_id] == "cancel":
+                self.transceiver.cancel_request(request)
         completed_at = self._wait_all()
         seconds = time.perf_counter() - start
         results = []
-        ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, _, _ in items}
+        ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, *_ in items}
         for request, where in mine:
             ok = request.state is RequestState.GENERATION_TRANS_COMPLETE
             done = completed_at.get(request.request_id)
@@ -346,6 +358,7 @@ class Instance:
                     "verified": ok and mismatched == 0,
                     "mismatched": mismatched,
                     "error": request.error,
+                    "fault": faults[request.request_id],
                 }
             )
             self._free(request.request_id)
@@ -403,6 +416,8 @@ class Instance:
         self.cache.free(request_id)
 
     def close(self) -> None:
+        if self._forger is not None:
+            self._forger.close()
         self.transceiver.close()
 
 
@@ -455,6 +470,7 @@ def merge_results(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                     "verified": True,
                     "mismatched": 0,
                     "error": None,
+                    "fault": r["fault"],
                 },
             )
             into["bytes"] += r["bytes"]
@@ -591,8 +607,10 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
             baseline.close()
         instance.close()
     live = comm.allgather(instance.transceiver._agent.live_handles)  # all zero: close released everything
+    forged = sum(comm.allgather(instance.transceiver.metrics.snapshot()[role]["forged_messages"]))
     if lead:
-        emit(op="bye", live={name: sum(counts[name] for counts in live) for name in live[0]}, rss_kb=_rss_kb())
+        live_total = {name: sum(counts[name] for counts in live) for name in live[0]}
+        emit(op="bye", live=live_total, rss_kb=_rss_kb(), forged_messages=forged)
 
 
 def _rss_kb() -> int:
