@@ -24,6 +24,7 @@ from nixl_kv.layout import MemoryKind
 from nixl_kv.state import RankCommInfo
 
 PEER_IDLE_S = 120.0  # a loaded agent no request used for this long is forgotten (a dead or departed instance)
+PEER_SWEEP_S = 1.0  # how often the progress loop looks for such agents (gen side: forget_idle; ctx side: readers)
 
 
 class PeerDirectory:

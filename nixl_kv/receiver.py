@@ -51,7 +51,7 @@ from nixl_kv.loop import ProgressLoop
 from nixl_kv.memory import on_device
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.params_seal import is_sealed
-from nixl_kv.peers import PeerDirectory
+from nixl_kv.peers import PEER_SWEEP_S, PeerDirectory
 from nixl_kv.plan_cache import PlanCache
 from nixl_kv.pool_checks import kv_pool_problems
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
@@ -66,11 +66,8 @@ log = logging.getLogger(__name__)
 RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
 CLAIM_RETRY_S = 1e-3
 SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_GBPS
-SLOW_GBPS = {
-    "DRAM": 3.0,
-    "VRAM": 20.0,
-}  # below: a fallback path (DRAM, 128 MiB: TCP 1.6-2.0 GB/s, shared memory 5.3-5.5;
-# VRAM: cuda_ipc ~390)
+# below: a fallback path (DRAM, 128 MiB here: TCP 1.6-2.0 GB/s, shared memory 5.3-5.5; VRAM: cuda_ipc ~390)
+SLOW_GBPS = {"DRAM": 3.0, "VRAM": 20.0}
 STUCK_RETRY_S = 0.1
 MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
 LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only if their rows average this
@@ -80,7 +77,6 @@ SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a
 SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
 EARLY_CHECK_SECONDS = 10e-3  # READs expected (at SPIN_GBPS) to take longer check the board after they end
-PEER_SWEEP_S = 1.0  # how often the progress loop forgets peers idle for PEER_IDLE_S (peers.py)
 EARLY_CHECK_QUEUE = 8  # nor do READs posted behind this many direct pulls in flight
 
 
@@ -292,9 +288,9 @@ class CacheReceiver:
         if not is_sealed(request.context_phase_params):  # damaged on the way (or not made by a ctx transceiver)
             raise TransferError(f"the ContextPhaseParams of request {request.request_id} fail their checksum")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
+        if not params.secret:  # (nothing can tell its ctx side: a message without the secret is dropped there)
+            raise TransferError(f"the params of request {request.request_id} carry no request secret")
         ctx_state, problem = self._decode_state(params.ctx_state)
-        if not params.secret:
-            problem = problem or "the params carry no request secret (made by a ctx instance of an older build?)"
         key = (ctx_state.instance_id, params.request_id)
         with self._lock:
             if key in self._active or request.request_id in self._by_request:  # a retry must not end the original

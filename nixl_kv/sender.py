@@ -32,7 +32,7 @@ from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.params_seal import encode_params
-from nixl_kv.peers import PEER_IDLE_S
+from nixl_kv.peers import PEER_IDLE_S, PEER_SWEEP_S
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
@@ -42,7 +42,6 @@ from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
 
-PEER_SWEEP_S = 1.0  # how often idle readers are looked for
 MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
 EARLY_GRACE_S = 1.0  # a claim, watch or NoReaders for a request this rank has not registered yet waits this long
 MAX_PARKED = 4096  # requests with early messages waiting; beyond it the oldest are dropped
@@ -216,8 +215,8 @@ class CacheSender:
         return True
 
     def _parked_early(self, reader: str, message: Any, handler: Callable[[str, Any], None]) -> bool:
-        """Park a message for a request of this instance that this rank has not registered yet."""
-        if message.ctx_instance_id != self._context.instance_id or message.request_id in self._finished:
+        """Park a (proven) message for a request this rank has not registered yet."""
+        if message.request_id in self._finished:
             return False
         with self._lock:
             if message.request_id in self._outgoing:
@@ -257,7 +256,9 @@ class CacheSender:
             self._free_slot(reader, claim.transfer_id, claim.request_id)
 
     def _grant(self, reader: str, claim: StageClaim) -> StageGrant:
-        def refuse(reason: str, retry: bool = False) -> StageGrant:  # (to the claim's sender: its proof echoed)
+        """For a proven claim (``_forged``): its proof is the request's secret, so every answer carries it."""
+
+        def refuse(reason: str, retry: bool = False) -> StageGrant:
             return StageGrant(
                 self._context.instance_id,
                 claim.request_id,
@@ -268,8 +269,6 @@ class CacheSender:
                 proof=claim.proof,
             )
 
-        if claim.ctx_instance_id != self._context.instance_id:
-            return refuse(f"this ctx rank belongs to instance {self._context.instance_id}")
         with self._lock:
             entry = self._outgoing.get(claim.request_id)
         if entry is None:
@@ -303,7 +302,7 @@ class CacheSender:
             True,
             slot.region.address,
             nbytes,
-            proof=entry.secret,
+            proof=claim.proof,
         )
 
     def _on_layer_watch(self, reader: str, message: LayerWatch) -> None:
@@ -356,15 +355,14 @@ class CacheSender:
         self._free_slot(reader, message.transfer_id, message.request_id)
         with self._lock:
             entry = self._outgoing.get(message.request_id)
-        ours = entry is not None and message.ctx_instance_id == self._context.instance_id
+        ours = entry is not None
         wrong = ours and bool(message.hold_token) and message.hold_token != entry.token
         mismatch = f"the reader's hold token does not match what request {message.request_id} pinned here" * wrong
         refusal = self._record(reader, message, mismatch)
         if ours and message.checks_hold and entry.posted and not wrong and not message.failed:
             return  # the reader saw the hold on the board after its READ: it needs no verdict
-        proof = entry.secret if ours else message.proof  # a request we no longer know: echo the reader's own
-        verdict = ReadVerdict(
-            self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal, proof
+        verdict = ReadVerdict(  # its proof, checked in _forged, is the request's secret
+            self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal, message.proof
         )
         try:
             self._loop.agent.notify(reader, wire.encode(verdict))
@@ -385,8 +383,6 @@ class CacheSender:
     def _record(self, reader: str, message: ReadDone, refusal: str = "") -> str:
         """Record one reader's report (``refusal``: a reason to fail it however it reports); returns "" for ok or
         the reason of refusal."""
-        if message.ctx_instance_id != self._context.instance_id:
-            return f"this ctx rank belongs to instance {self._context.instance_id}, not {message.ctx_instance_id}"
         failure = refusal or ((message.reason or "the reader's READ failed") if message.failed else "")
         with self._lock:
             entry = self._outgoing.get(message.request_id)

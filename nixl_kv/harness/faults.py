@@ -52,7 +52,6 @@ class Forger:
         from nixl_kv.agents.nixl_agent import NixlAgent
 
         self.agent = NixlAgent(f"pair-forger-{os.getpid()}")
-        self.sent = 0
 
     def forge(self, params: bytes) -> None:
         """Forged messages about the request to every ctx rank of its instance (their delivery is not awaited)."""
@@ -71,7 +70,6 @@ class Forger:
                 self.agent.load_remote(rank.agent_metadata, rank.agent_name)
                 for message in messages:
                     self.agent.notify(rank.agent_name, wire.encode(message))
-                    self.sent += 1
         deadline = time.monotonic() + 0.005
         while time.monotonic() < deadline:  # no progress thread: let UCX push the sends out
             self.agent.poll_notifications()

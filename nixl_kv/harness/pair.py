@@ -133,8 +133,8 @@ class PairOptions:
     step_timeout_s: float = 300.0
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
     connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
-    ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
     faults: float = 0.0  # this fraction of requests gets one of harness.faults.FAULTS
+    ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
     gen_netns: str = ""
 
 
@@ -216,7 +216,7 @@ class PairReport:
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
-            "faults": {fault: sum(r.fault == fault for r in self.results) for fault in faults.FAULTS if self.results},
+            "faults": {fault: sum(r.fault == fault for r in self.results) for fault in faults.FAULTS},
             "unexpected": len(self.unexpected),
             "forged_messages": self.forged_messages,
             "leaks": self.leaks,
