@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pair.add_argument("--requests", type=token_counts, default=(256, 777, 1500, 3000))
     pair.add_argument(
-        "--rounds", type=int, default=3, help="send the request list this many times (the first pays first contact)"
+        "--rounds", type=int, default=5, help="send the request list this many times (the first pays first contact)"
     )
     pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pair.add_argument(

@@ -74,13 +74,24 @@ def test_latency_percentiles_leave_out_the_first_round() -> None:
     assert percentile(list(range(1, 101)), 0.99) == 99 and percentile([7.0], 0.5) == 7.0
 
 
+def test_bandwidth_is_the_median_of_the_rounds_after_the_first() -> None:
+    report = PairReport(round_seconds=[1.0, 0.5, 0.25, 0.4], round_bytes=[10**9] * 4, raw_bytes=10**9)
+    report.raw_seconds = [0.2]
+    summary = report.summary()
+    assert summary["gbps_per_round"] == pytest.approx([1.0, 2.0, 4.0, 2.5])
+    assert summary["gbps"] == pytest.approx(2.5)  # of 2.0, 4.0 and 2.5: round 1 paid first contact
+    assert summary["ratio_to_raw"] == pytest.approx(0.5)
+    one_round = PairReport(round_seconds=[1.0], round_bytes=[10**9])
+    assert one_round.summary()["gbps"] == pytest.approx(1.0)
+
+
 def test_pair_defaults_are_a_real_model_shape() -> None:
     result = _pair("--json")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = _summary(result)
-    assert summary["verified"] == summary["requests"] == 12  # 4 requests, 3 rounds
+    assert summary["verified"] == summary["requests"] == 20  # 4 requests, 5 rounds
     # 32 layers x 2 x 8 heads x 128 dims x 2 bytes = 128 KiB per token, whole blocks of 32 tokens
-    assert summary["bytes"] == 3 * sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
+    assert summary["bytes"] == 5 * sum(-(-n // 32) * 32 for n in (256, 777, 1500, 3000)) * 128 * 1024
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_kv.harness.baselines import memcpy_peer_gbps, nccl_sendrecv_gbps
-from nixl_kv.harness.pair import PairOptions, PairReport, ParallelSpec, percentile, run_pair
+from nixl_kv.harness.pair import PairOptions, PairReport, ParallelSpec, percentile, run_pair, steady_rounds
 from nixl_kv.harness.pair_worker import InstanceSpec
 
 LLAMA_8B = InstanceSpec(layers=32, kv_heads=8, head_dim=128, tokens_per_block=32, dtype="bfloat16", num_blocks=1)
@@ -58,11 +58,6 @@ class BenchOptions:
         return dataclasses.replace(SHAPES[self.shape], device=self.device)
 
 
-def _steady(values: list[float]) -> list[float]:
-    """The rounds after the first (the first pays first contact), or the only one."""
-    return values[1:] or values
-
-
 def _checked(report: PairReport) -> dict[str, Any]:
     """The run's summary; a figure of a run that failed verification would be meaningless."""
     summary = report.summary()
@@ -75,7 +70,7 @@ def _figure(report: PairReport) -> dict[str, Any]:
     """GB/s of one pair run: median and min-max of the steady rounds, the raw READ of the same bytes in the same
     run and the ratio to it; the run's whole summary beside."""
     summary = _checked(report)
-    steady = _steady(summary["gbps_per_round"])
+    steady = steady_rounds(summary["gbps_per_round"])
     median, raw = statistics.median(steady), summary["raw_read_gbps"]
     return {
         "gbps": median,
@@ -182,7 +177,7 @@ class Bench:
         self.say(f"{count} concurrent {LATENCY_TOKENS}-token requests")
         report = self.pair((LATENCY_TOKENS,) * count, max(2, self.options.rounds), busy=self.options.busy_thread)
         figure = _figure(report)
-        per_round = _steady([count / s for s in report.round_seconds])
+        per_round = steady_rounds([count / s for s in report.round_seconds])
         transfers = [r.seconds for r in report.results if r.round > 0]
         return {
             **figure,
