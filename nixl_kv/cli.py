@@ -9,7 +9,15 @@ import sys
 
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
-from nixl_kv.harness.pair import PLACEMENTS, PairOptions, ParallelSpec, format_table, parse_rnn, run_pair
+from nixl_kv.harness.pair import (
+    CTX_FAULTS,
+    PLACEMENTS,
+    PairOptions,
+    ParallelSpec,
+    format_table,
+    parse_rnn,
+    run_pair,
+)
 from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec
 
 
@@ -106,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="inject a fault into this fraction of requests: corrupted params (must fail), forged control messages "
         "from a third agent (must change nothing), a gen-side cancel (either way); never wrong bytes",
     )
+    pair.add_argument(
+        "--ctx-fault",
+        choices=CTX_FAULTS,
+        default="",
+        help="in the middle round, right after the gen instance starts reading: SIGSTOP every ctx process for 1 s "
+        "longer than the lease, then SIGCONT (stop), or SIGKILL them (kill: the run ends with that round); that "
+        "round's requests may end either way, by their deadline, never with wrong bytes",
+    )
     for role in ("ctx", "gen"):
         pair.add_argument(
             f"--{role}-netns",
@@ -199,6 +215,7 @@ def _pair(args: argparse.Namespace) -> int:
         placement=args.placement,
         connect_ahead=args.connect_ahead,
         faults=args.faults,
+        ctx_fault=args.ctx_fault,
         ctx_netns=args.ctx_netns,
         gen_netns=args.gen_netns,
     )

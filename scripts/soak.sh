@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Two "hosts" on one machine (needs root): the ctx and gen instances of `nixl-kv pair` run in two network namespaces
-# joined by a veth pair, UCX over TCP between them. Four phases of the mixed request list: a clean link; the same
-# with faults in 10% of the requests (corrupted params, forged control messages from a third agent, gen-side
-# cancels: nixl-kv pair --faults); a link limited to 200 Mbit/s (tc tbf); and the link down for longer than the lease
-# in the middle of a run, then back up. One table row per phase: requests by outcome, the faults injected and any
-# request that did not end as its fault says it must, wrong bytes, the slowest failure against the lease, whether
-# the run ended by itself (no hang), what the instances held after close, resident memory growth, and the forged
-# messages the ctx instance dropped. Exits 1 on wrong bytes, a hang, a leak, or (outside the link-down phase) a
-# request that did not end as it must. The namespaces are removed on exit, even on
-# failure. (tc netem is not in this machine's kernel: no delay, loss or reorder phase.)
+# joined by a veth pair, UCX over TCP between them. Phases of the mixed request list: a clean link; faults in 10% of
+# the requests (corrupted params, forged control messages from a third agent, gen-side cancels: nixl-kv pair
+# --faults) on a clean link, then between a 2-rank ctx and a 2-stage gen, then on a link limited to 200 Mbit/s (tc
+# tbf); every ctx process stopped for longer than the lease in the middle round, then resumed; every ctx process
+# killed in the middle round (nixl-kv pair --ctx-fault); and the link down for longer than the lease in the middle
+# of a run, then back up, with faults in 10% of the requests. One table row per phase: requests by outcome, the
+# faults injected and any request that did not end as its fault says it must, wrong bytes, the slowest failure
+# against the lease, whether the run ended by itself (no hang), what the instances held after close, resident
+# memory growth, and the forged messages the ctx instance dropped; then the totals. Exits 1 on wrong bytes, a hang,
+# a leak, or (outside the link-down phase) a request that did not end as it must. The namespaces are removed on
+# exit, even on failure. (tc netem is not in this machine's kernel: no delay, loss or reorder phase.)
 # Usage: scripts/soak.sh [ROUNDS]   rounds of the request list per phase (20 by default; 4 requests per round)
 source "$(dirname "$0")/_env.sh"
 set +e +o pipefail -u  # a phase's verdict is its table row's, not pair's exit status
@@ -52,6 +54,8 @@ faults = ", ".join(f"{n} {kind}" for kind, n in s["faults"].items() if n) or "-"
 forged = s["forged_messages"].get("ctx", 0)
 print(f"| {phase} | {s['requests']} | {s['verified']} | {s['failed']} | {faults} | {s['unexpected']} | "
       f"{s['mismatched_elements']} | {past} | {hung} | {leaks} | {rss} | {forged} | {gbps} |")
+with open(sys.argv[4], "a") as totals:  # requests, faulted, wrong elements, hangs
+    print(s["requests"], sum(s["faults"].values()), s["mismatched_elements"], int(rc == 124), file=totals)
 link_down = phase.startswith("link down")  # there, requests without a fault may fail (by their deadline)
 bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or (s["unexpected"] and not link_down)
 sys.exit(1 if bad else 0)
@@ -63,7 +67,7 @@ phase() {  # phase NAME ROUNDS [PAIR OPTIONS]: one pair run, one table row; its 
   shift 2
   timeout 600 "${PAIR[@]}" --rounds "$rounds" "$@" >"$LOGS/out" 2>"$LOGS/err"
   rc=$?
-  if ! python -c "$ROW" "$name" "$rc" $((LEASE_MS / 1000)) <"$LOGS/out"; then
+  if ! python -c "$ROW" "$name" "$rc" $((LEASE_MS / 1000)) "$LOGS/totals" <"$LOGS/out"; then
     status=1
     tail -20 "$LOGS/err" >&2
   fi
@@ -74,11 +78,14 @@ echo "| phase | requests | verified | failed | faults injected | not as they mus
 echo "|---|---:|---:|---:|---|---:|---:|---|---|---|---|---:|---:|"
 phase "clean link" "$ROUNDS"
 phase "clean link, faults in 10% of requests" "$ROUNDS" --faults 0.1
+phase "ctx tp=2 -> gen pp=2, faults in 10%" "$ROUNDS" --faults 0.1 --ctx tp=2 --gen tp=1,pp=2
+phase "ctx stopped past the lease, then resumed" "$ROUNDS" --ctx-fault stop
+phase "ctx killed mid-run" "$ROUNDS" --ctx-fault kill
 for side in "$CTX nkv-soak-c" "$GEN nkv-soak-g"; do
   set -- $side
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate 200mbit burst 256kb latency 100ms || status=1
 done
-phase "200 Mbit/s link" "$ROUNDS"
+phase "200 Mbit/s link, faults in 10%" "$ROUNDS" --faults 0.1
 ip netns exec "$CTX" tc qdisc del dev nkv-soak-c root; ip netns exec "$GEN" tc qdisc del dev nkv-soak-g root
 DOWN_S=$((LEASE_MS / 1000 + 2))  # longer than the lease: requests in flight then must end by their deadline
 : >"$LOGS/err"  # (the last phase's progress must not start the next one's fault)
@@ -92,9 +99,11 @@ DOWN_S=$((LEASE_MS / 1000 + 2))  # longer than the lease: requests in flight the
     | tr -d /) of the link-down phase)" >"$LOGS/link"
 ) &
 DOWN_JOB=$!
-phase "link down ${DOWN_S} s mid-run" $((ROUNDS * 10))
+phase "link down ${DOWN_S} s mid-run, faults in 10%" $((ROUNDS * 10)) --faults 0.1
 wait "$DOWN_JOB"
 echo
 cat "$LOGS/link"
+awk '{r += $1; f += $2; w += $3; h += $4} END {printf "totals: %d requests, %d with an injected fault (%.1f%%), " \
+  "%d wrong elements, %d hangs\n", r, f, r ? 100 * f / r : 0, w, h}' "$LOGS/totals"
 rm -rf "$LOGS"
 exit "$status"

@@ -158,3 +158,21 @@ def test_a_slow_transport_is_reported() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert _summary(result)["verified"] == 3
     assert result.stderr.count("UCX is likely staging through host memory or using TCP") == 1
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_a_stopped_or_killed_ctx_ends_that_rounds_requests_without_wrong_bytes_leaks_or_strays(fault: str) -> None:
+    common = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
+    result = _pair(
+        *common, "--requests", "1,300", "--rounds", "3", "--lease-ms", "1000", "--ctx-fault", fault, "--json"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    rounds = 3 if fault == "stop" else 2  # the run ends with the round whose ctx was killed (the middle one)
+    assert summary["requests"] == 2 * rounds and summary["mismatched_elements"] == 0 and summary["unexpected"] == 0
+    assert summary["faults"][f"ctx-{fault}"] == 2  # both requests of the middle round
+    assert summary["verified"] >= 2 * rounds - 2  # every other round verified
+    assert (summary["slowest_failure_s"] or 0) < 1.5  # a failure came by the 1 s lease, not later
+    assert summary["leaks"]["gen"] == {} and "gen" in summary["rss_growth_kb"]  # the gen instance closed cleanly
+    strays = subprocess.run(["pgrep", "-f", "nixl_kv.harness.pair_worker"], capture_output=True, text=True).stdout
+    assert strays == "", strays  # no ctx or gen process outlives the run, stopped or killed

@@ -1,16 +1,18 @@
-"""The short soak: ctx and gen in two network namespaces over UCX TCP (scripts/soak.sh, 780 requests, ~35 s).
+"""The short soak: ctx and gen in two network namespaces over UCX TCP (scripts/soak.sh, 15 rounds a phase, ~1,000
+requests, about 90 s).
 
 Needs root and iproute2 (CI here runs as root): the script creates and removes its own namespaces."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_namespaces_clean_with_faults_rate_limited_and_a_link_down_longer_than_the_lease() -> None:
+def test_two_namespaces_with_faults_a_mixed_pairing_a_stopped_and_a_killed_ctx_and_the_link_down() -> None:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "soak.sh"), "15"], capture_output=True, text=True, timeout=900, cwd=ROOT
     )
@@ -21,12 +23,30 @@ def test_two_namespaces_clean_with_faults_rate_limited_and_a_link_down_longer_th
         if line.startswith("| ") and not line.startswith("| phase")
     }
     clean, faulty = rows["clean link"], rows["clean link, faults in 10% of requests"]
-    limited, down = rows["200 Mbit/s link"], rows["link down 5 s mid-run"]
-    for row, requests in ((clean, 60), (faulty, 60), (limited, 60), (down, 600)):
+    mixed, limited = rows["ctx tp=2 -> gen pp=2, faults in 10%"], rows["200 Mbit/s link, faults in 10%"]
+    stopped, killed = rows["ctx stopped past the lease, then resumed"], rows["ctx killed mid-run"]
+    down = rows["link down 5 s mid-run, faults in 10%"]
+    for row, requests in (
+        (clean, 60),
+        (faulty, 60),
+        (mixed, 60),
+        (limited, 60),
+        (stopped, 60),
+        (killed, 32),
+        (down, 600),
+    ):
         assert int(row[0]) == requests and row[5] == "0" and row[7] == "no" and row[8] == "none", row  # no wrong
         # element, no hang, nothing left after close
-    assert int(clean[1]) == int(limited[1]) == 60 and clean[4] == limited[4] == faulty[4] == "0"
-    assert faulty[3] != "-"  # faults were injected, and each request ended as its fault says it must
+    for row in (clean, faulty, mixed, limited, stopped, killed):
+        assert row[4] == "0", row  # every request ended as its fault (or none) says it must
+    assert int(clean[1]) == 60 and faulty[3] != "-" and mixed[3] != "-"  # faults were injected in those phases
+    assert stopped[3] == "4 ctx-stop" and 56 <= int(stopped[1]) < 60  # the stopped round's READs stalled past the
+    assert stopped[6].startswith("3.0")  # lease and ended by their deadline; the rounds after it verified
+    assert killed[3] == "4 ctx-kill" and 28 <= int(killed[1]) < 32  # requests in flight when it died failed
     assert 500 <= int(down[1]) < 600  # requests in flight while the link was down failed by their deadline
     assert float(limited[-1]) < 0.1 < float(clean[-1])  # the bytes did cross the rate-limited link
+    totals = re.search(
+        r"totals: (\d+) requests, (\d+) with an injected fault .*, 0 wrong elements, 0 hangs", result.stdout
+    )
+    assert totals and int(totals[2]) >= 0.05 * int(totals[1]), result.stdout[-500:]  # at least 5% faulted
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count("nkv-soak") == 0

@@ -6,6 +6,13 @@
   request's secret: they must change nothing, so the request must arrive intact.
 - ``cancel``: the gen side cancels the request right after starting it: it may end either way, never with wrong
   bytes.
+
+Faults of the ctx instance's processes hit every request of one round (``nixl-kv pair --ctx-fault``), right after
+the gen instance started reading them; those requests may end either way, never with wrong bytes, and must end by
+their deadline:
+
+- ``ctx-stop``: SIGSTOP for longer than the lease, then SIGCONT (a ctx host that hangs, then comes back);
+- ``ctx-kill``: SIGKILL (a ctx host that dies); the run ends with that round.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from nixl_kv.protocol import NoReaders, ReadDone
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 
 FAULTS = ("corrupt", "forge", "cancel")
+CTX_FAULTS = ("ctx-stop", "ctx-kill")
 
 
 def choose(fraction: float, request_id: int) -> str:
@@ -40,7 +48,7 @@ def as_expected(fault: str, verified: bool, error: str | None) -> bool:
     """Whether a request with ``fault`` ended as it must (a request without one must verify)."""
     if fault == "corrupt":
         return not verified and "fail their checksum" in (error or "")
-    if fault == "cancel":
+    if fault == "cancel" or fault in CTX_FAULTS:
         return True  # either way; a request that completed was verified byte by byte like any other
     return verified
 

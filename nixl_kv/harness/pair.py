@@ -7,14 +7,18 @@ worker has a deadline; a worker that dies or stalls ends the run with an error, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import queue
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +34,8 @@ from nixl_kv.topology import head_duplication
 
 WORKER_START_S = 60.0
 RAW_READ_REPEATS = 5
+STOPPED_PAST_LEASE_S = 1.0  # --ctx-fault stop: how much longer than the lease the ctx instance stays stopped
+CTX_FAULTS = ("stop", "kill")
 
 
 PLACEMENTS = ("default", "split")  # GPUs: ranks in order, ctx first; or every ctx rank on GPU 0, every gen rank on 1
@@ -134,6 +140,7 @@ class PairOptions:
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
     connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
     faults: float = 0.0  # this fraction of requests gets one of harness.faults.FAULTS
+    ctx_fault: str = ""  # "stop" or "kill": every ctx process, in the middle round (harness.faults.CTX_FAULTS)
     ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
     gen_netns: str = ""
 
@@ -217,7 +224,9 @@ class PairReport:
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
-            "faults": {fault: sum(r.fault == fault for r in self.results) for fault in faults.FAULTS},
+            "faults": {
+                fault: sum(r.fault == fault for r in self.results) for fault in (*faults.FAULTS, *faults.CTX_FAULTS)
+            },
             "unexpected": len(self.unexpected),
             "forged_messages": self.forged_messages,
             "leaks": self.leaks,
@@ -248,11 +257,12 @@ class Worker:
             command = [_mpiexec(), "-n", str(spec.world_size), *command]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
-        self.process = subprocess.Popen(
+        self.process = subprocess.Popen(  # its own process group: a fault signals every process of the instance
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -279,6 +289,11 @@ class Worker:
         if reply.get("op") != op:
             raise RuntimeError(f"{self.role} instance answered {reply.get('op')!r}, expected {op!r}")
         return reply
+
+    def signal(self, number: int) -> None:
+        """Send ``number`` to every process of the instance (mpiexec and its ranks, or the one worker)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, number)
 
     def stop(self) -> dict[str, Any]:
         """Quit; returns the instance's goodbye (its leaks and resident memory), empty if it had to be killed."""
@@ -340,6 +355,9 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             say("the gen instance met the ctx instance ahead of the first request")
         for round_index in range(options.rounds):
             _run_round(options, round_index, ctx, gen, report, say)
+            if options.ctx_fault == "kill" and round_index == options.rounds // 2:
+                say("the ctx instance was killed: no more rounds, no raw READ")
+                return report
         say("measuring a raw NIXL READ of the same bytes")
         block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
@@ -366,11 +384,23 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
         items.append([rid + 1_000_000, rid, tokens, reply["params"], faults.choose(options.faults, rid)])
     ctx.expect("sent", options.step_timeout_s)
     say(f"round {round_index + 1}/{options.rounds}: gen pulls and verifies {count} requests")
+    ctx_fault = options.ctx_fault if round_index == options.rounds // 2 else ""
+    if ctx_fault:
+        for item in items:
+            item[4] = f"ctx-{ctx_fault}"
     gen.send(op="receive", items=items)
+    faulted_at = time.monotonic()
+    if ctx_fault:  # right after the gen instance was told to read: its READs are posted or about to be
+        ctx.signal(signal.SIGSTOP if ctx_fault == "stop" else signal.SIGKILL)
+        say(f"round {round_index + 1}/{options.rounds}: ctx instance {'stopped' if ctx_fault == 'stop' else 'killed'}")
     received = gen.expect("received", options.step_timeout_s)
-    ctx.send(op="settle")
-    settled = ctx.expect("settled", options.step_timeout_s)
-    report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
+    if ctx_fault == "stop":  # kept stopped past the lease (a ctx host that hung), then resumed
+        time.sleep(max(0.0, faulted_at + options.model.lease_ms / 1000 + STOPPED_PAST_LEASE_S - time.monotonic()))
+        ctx.signal(signal.SIGCONT)
+    if ctx_fault != "kill":
+        ctx.send(op="settle")
+        settled = ctx.expect("settled", options.step_timeout_s)
+        report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
     report.round_seconds.append(received["seconds"])
     report.round_bytes.append(sum(r["bytes"] for r in received["results"]))
     tokens = dict(zip(ids, options.requests, strict=True))
