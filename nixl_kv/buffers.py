@@ -1,8 +1,9 @@
 """CacheTransBufferManager: registered staging slots with leases and poisoning (DESIGN §4).
 
 A slot is FREE, LEASED to one transfer until a deadline, or POISONED: a remote agent may still touch it
-(its lease ran out while granted, or its transfer was abandoned), so it is never handed out again until
-``clear_poison`` says the transfer is proven finished.
+(its lease ran out while granted, or its transfer was abandoned), so it is not handed out again until
+``clear_poison`` says the transfer is proven finished, or, for a ctx slot whose request can no longer complete,
+until the grace it was poisoned with has passed (``expire_leases``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class StagingSlot:
     owner: Hashable | None = None
     lease_deadline: float = 0.0
     poison_reason: str = ""
+    poisoned_until: float = float("inf")  # a slot poisoned by its lease's end comes back then (expire_leases)
 
 
 class CacheTransBufferManager:
@@ -88,22 +90,36 @@ class CacheTransBufferManager:
                 raise ValueError(f"slot {slot.index} is {slot.state.value}, not leased")
             slot.state, slot.owner = SlotState.FREE, None
 
-    def poison(self, slot: StagingSlot, reason: str) -> None:
-        """A remote may still touch this slot: never reuse it until ``clear_poison``."""
+    def poison(self, slot: StagingSlot, reason: str, until: float = float("inf")) -> None:
+        """A remote may still touch this slot: never reuse it until ``clear_poison`` (or ``until``, see
+        ``expire_leases``)."""
         with self._lock:
-            slot.state, slot.poison_reason = SlotState.POISONED, reason
+            slot.state, slot.poison_reason, slot.poisoned_until = SlotState.POISONED, reason, until
 
     def clear_poison(self, slot: StagingSlot) -> None:
         with self._lock:
             if slot.state is SlotState.POISONED:
                 slot.state, slot.owner, slot.poison_reason = SlotState.FREE, None, ""
+                slot.poisoned_until = float("inf")
 
-    def expire_leases(self, now: float | None = None) -> list[StagingSlot]:
-        """Poison every leased slot whose lease ran out (its reader may still be at it); returns them."""
+    def expire_leases(self, now: float | None = None, grace_s: float = float("inf")) -> list[StagingSlot]:
+        """Poison every leased slot whose lease ran out (its reader may still be at it); returns them. Each comes
+        back ``grace_s`` later, unless cleared before.
+
+        Why a grace and not forever: a ctx's slot is READ by the gen it was granted to. A READ from it after the
+        lease belongs to a request that can no longer complete (the ctx refuses it, and the gen's own deadline is
+        the lease), and the gen keeps the destination of such a READ poisoned until the READ has left NIXL. So
+        reusing the slot later can put wrong bytes only where nothing will take them as a request's. A reader that
+        vanished must not cost the slot for good (issue 11: all slots gone after their readers died)."""
         now = time.monotonic() if now is None else now
+        with self._lock:
+            for slot in self.slots:
+                if slot.state is SlotState.POISONED and slot.poisoned_until <= now:
+                    slot.state, slot.owner, slot.poison_reason = SlotState.FREE, None, ""
+                    slot.poisoned_until = float("inf")
         expired = [s for s in self.slots if s.state is SlotState.LEASED and s.lease_deadline <= now]
         for slot in expired:
-            self.poison(slot, f"lease of {slot.owner!r} expired while granted")
+            self.poison(slot, f"lease of {slot.owner!r} expired while granted", now + grace_s)
         return expired
 
     @property

@@ -4,7 +4,8 @@ A request is done when every expected reader reported its final READ finished (`
 gets a ``ReadVerdict`` that is ok only while the blocks are still pinned. When the lease runs out first, the
 blocks are released and the request fails; a reader that reports later gets a refusal, never a false ok.
 Staged readers claim boxes (``StageClaim``): the box is packed into a leased staging slot and granted; the
-slot is freed when the reader's READ of it is done, and poisoned if the request ends while it is granted.
+slot is freed when the reader's READ of it is done, and poisoned if the request ends while it is granted (for one
+lease more: ``CacheTransBufferManager.expire_leases`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -454,7 +455,8 @@ class CacheSender:
                 f"lease of {self._context.lease_ms} ms expired with {len(entry.finished_readers)} of "
                 f"{entry.expected_readers or '?'} readers done",
             )
-        self._staging.expire_leases(now)  # a slot whose lease ran out while granted is poisoned, never reused
+        # a slot whose lease ran out while granted is poisoned, and comes back one lease later (expire_leases)
+        self._staging.expire_leases(now, self._context.lease_ms / 1000)
         self._replay_parked(now)
         self.release_deferred()
         self._forget_idle_readers(now)
@@ -474,9 +476,10 @@ class CacheSender:
         self._finished[rid] = None
         while len(self._finished) > MAX_FINISHED:
             self._finished.popitem(last=False)
+        back_at = time.monotonic() + self._context.lease_ms / 1000  # (a READ from it then is of a refused request)
         for (reader, _), (request_id, slot) in self._granted.items():
             if request_id == rid and slot.state is SlotState.LEASED:
-                self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}")
+                self._staging.poison(slot, f"request {rid} ended while its slot was granted to {reader}", back_at)
         entry.request.transfer_end = time.monotonic()
         if entry.posted:
             self._context.board.clear(entry.token)  # before the blocks can be reused

@@ -153,3 +153,18 @@ def test_expired_slot_comes_back_after_clear_poison() -> None:
     manager.clear_poison(slot)
     assert manager.acquire("next", lease_s=2.0, nbytes=1, now=3.0) is slot
     assert slot.lease_deadline == 5.0
+
+
+def test_a_slot_poisoned_by_its_leases_end_comes_back_after_the_grace() -> None:
+    manager = make_manager(num_slots=1)
+    slot = manager.acquire(("ctx", 8), lease_s=2.0, nbytes=1, now=0.0)
+    assert manager.expire_leases(now=2.0, grace_s=3.0) == [slot]  # its reader vanished
+    assert (slot.state, slot.poisoned_until) == (SlotState.POISONED, 5.0)
+    assert manager.expire_leases(now=4.999, grace_s=3.0) == [] and slot.state is SlotState.POISONED
+    with pytest.raises(BufferExhaustedError, match=r"\(1 poisoned\)"):
+        manager.acquire("next", lease_s=2.0, nbytes=1, now=4.999)
+    assert manager.expire_leases(now=5.0, grace_s=3.0) == []  # a READ from it now belongs to a refused request
+    assert (slot.state, slot.owner, slot.poison_reason) == (SlotState.FREE, None, "")
+    assert manager.acquire("next", lease_s=2.0, nbytes=1, now=5.0) is slot
+    manager.poison(slot, "abandoned with a READ in flight")  # poisoned otherwise: only clear_poison frees it
+    assert manager.expire_leases(now=1e9, grace_s=3.0) == [] and slot.state is SlotState.POISONED

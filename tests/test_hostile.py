@@ -326,3 +326,43 @@ def test_metadata_from_a_message_that_proves_nothing_is_never_loaded(pair_factor
         assert wire.decode(answers[0][1], ReadVerdict).request_id == 1
     finally:
         stranger.close()
+
+
+def test_staging_slots_granted_to_a_reader_that_vanished_come_back_one_lease_after_theirs(pair_factory) -> None:
+    """A reader holding the request's secret claims every staging slot of the ctx rank, is granted them, and never
+    reads nor reports (it died). Each slot is poisoned when its lease ends (a READ from it may still be in flight)
+    and free again one lease later; a staged transfer then completes with the right bytes."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import StageClaim, StageGrant
+
+    pair = pair_factory(ctx_config={"lease_ms": 400})
+    ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
+    staging = pair.ctx.transceiver._staging
+    ctx_request = pair.prefill(1, 40)
+    secret = _secret(pair.gen_request(5, ctx_request))
+    reader = NixlAgent("vanishing-reader")
+    try:
+        reader.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        me, slots = reader.metadata(), len(staging.slots)
+        for transfer_id in range(slots):
+            claim = StageClaim(instance, 1, 100 + transfer_id, me, 3, (0, 4), (0, 2), (0, 3), proof=secret)
+            reader.notify(ctx_agent.name, wire.encode(claim))
+        grants: list = []
+
+        def granted() -> bool:
+            for _, data in reader.poll_notifications():
+                grants.append(wire.decode(data, StageGrant))
+            return len(grants) == slots
+
+        assert _wait_for(granted), grants
+        assert all(grant.ok for grant in grants) and staging.free_slots == 0
+        assert _wait_for(lambda: staging.poisoned_slots == slots, timeout_s=2.0)  # its lease ran out
+        assert _wait_for(lambda: staging.free_slots == slots, timeout_s=2.0)  # one lease later
+        assert ctx_request.error is None or "lease" in ctx_request.error
+    finally:
+        reader.close()
+    again = pair.prefill(2, 40)
+    request = pair.gen_request(6, again)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
+    assert pair.mismatches(6, 2, 40) == 0
