@@ -76,6 +76,27 @@ def test_concurrent_requests_and_status_polls(pair_factory) -> None:
     assert statuses.completed_request_ids == set(range(6))
 
 
+def test_thousands_of_requests_in_flight_complete_without_spurious_failures(pair_factory) -> None:
+    """Issue 11, item 5: with thousands of requests in flight, the caller's thread and the progress loop both walk
+    the receiver's tables; a check once read one of them unlocked and failed requests with "dictionary changed size
+    during iteration". Every request must complete with its own bytes."""
+    count = 3000
+    pair = pair_factory(Shape(layers=1, heads=1, head_dim=8, tokens_per_block=16, num_blocks=count + 8))
+    ctx_requests = [pair.prefill(rid, 1 + rid % 16) for rid in range(count)]
+    gen_requests = [pair.gen_request(10_000 + rid, r) for rid, r in enumerate(ctx_requests)]
+    for request in gen_requests:
+        pair.gen.transceiver.request_and_receive_async(request)
+    done, failed = set(), set()
+    deadline = time.monotonic() + 120
+    while len(done | failed) < count and time.monotonic() < deadline:
+        statuses = pair.gen.transceiver.check_gen_transfer_status(at_least=1)
+        done |= statuses.completed_request_ids
+        failed |= statuses.error_request_ids
+    assert failed == set() and len(done) == count, [r.error for r in gen_requests if r.error][:3]
+    assert all(pair.mismatches(10_000 + rid, rid, 1 + rid % 16) == 0 for rid in range(count))
+    assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == set(range(count))
+
+
 def test_one_gen_serves_two_ctx_instances_with_the_same_request_id(pair_factory) -> None:
     pair = pair_factory()
     other_ctx = make_side(pair.shape)
