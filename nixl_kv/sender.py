@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
 EARLY_GRACE_S = 1.0  # a claim, watch or NoReaders for a request this rank has not registered yet waits this long
 MAX_PARKED = 4096  # requests with early messages waiting; beyond it the oldest are dropped
+MAX_PARKED_PER_REQUEST = 256  # early messages kept for one request (a reader sends a few); later ones are dropped
 MAX_FINISHED = 4096  # recently finished requests, whose late messages are refused at once rather than parked
 
 
@@ -222,7 +223,13 @@ class CacheSender:
         with self._lock:
             if message.request_id in self._outgoing:
                 return False
-        self._parked.setdefault(message.request_id, []).append((time.monotonic(), reader, message, handler))
+        waiting = self._parked.setdefault(message.request_id, [])
+        if len(waiting) >= MAX_PARKED_PER_REQUEST:  # only a peer holding the secret gets here: bounded all the same
+            log.warning(
+                "dropped an early %s for request %d from %s", type(message).__name__, message.request_id, reader
+            )
+            return True
+        waiting.append((time.monotonic(), reader, message, handler))
         while len(self._parked) > MAX_PARKED:
             self._drop_parked(*self._parked.popitem(last=False))
         return True

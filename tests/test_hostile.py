@@ -366,3 +366,30 @@ def test_staging_slots_granted_to_a_reader_that_vanished_come_back_one_lease_aft
     pair.gen.transceiver.request_and_receive_async(request)
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE, request.error
     assert pair.mismatches(6, 2, 40) == 0
+
+
+def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory) -> None:
+    """Messages about a request the ctx rank has not registered yet wait for it (another rank made the params);
+    even with the request's secret, a peer cannot make that wait grow without bound."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.auth import request_secret
+    from nixl_kv.protocol import LayerWatch
+    from nixl_kv.sender import MAX_PARKED_PER_REQUEST
+
+    pair = pair_factory()
+    sender = pair.ctx.transceiver._sender
+    ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
+    secret = request_secret(sender._context.auth_key, 77)  # a request this rank will respond to later
+    peer = NixlAgent("eager-peer")
+    try:
+        peer.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        watch = wire.encode(LayerWatch(instance, 77, peer.metadata(), secret))
+        sent = MAX_PARKED_PER_REQUEST + 44
+        for _ in range(sent):
+            peer.notify(ctx_agent.name, watch)
+        arrived = lambda: len(sender._parked.get(77, ())) == MAX_PARKED_PER_REQUEST  # noqa: E731
+        assert _wait_for(arrived, progress=peer.poll_notifications), len(sender._parked.get(77, ()))
+        time.sleep(0.2)  # the rest arrived too, and were dropped
+        assert len(sender._parked[77]) == MAX_PARKED_PER_REQUEST
+    finally:
+        peer.close()
