@@ -225,9 +225,7 @@ class CacheSender:
                 return False
         waiting = self._parked.setdefault(message.request_id, [])
         if len(waiting) >= MAX_PARKED_PER_REQUEST:  # only a peer holding the secret gets here: bounded all the same
-            log.warning(
-                "dropped an early %s for request %d from %s", type(message).__name__, message.request_id, reader
-            )
+            log.debug("dropped an early %s for request %d from %s", type(message).__name__, message.request_id, reader)
             return True
         waiting.append((time.monotonic(), reader, message, handler))
         while len(self._parked) > MAX_PARKED:
