@@ -3,14 +3,16 @@
 # joined by a veth pair, UCX over TCP between them. Phases of the mixed request list: a clean link; faults in 10% of
 # the requests (corrupted params, forged control messages from a third agent, gen-side cancels: nixl-kv pair
 # --faults) on a clean link, then between a 2-rank ctx and a 2-stage gen, then on a link limited to 200 Mbit/s (tc
-# tbf); every ctx process stopped for longer than the lease in the middle round, then resumed; every ctx process
-# killed in the middle round (nixl-kv pair --ctx-fault); and the link down for longer than the lease in the middle
-# of a run, then back up, with faults in 10% of the requests. One table row per phase: requests by outcome, the
-# faults injected and any request that did not end as its fault says it must, wrong bytes, the slowest failure
-# against the lease, whether the run ended by itself (no hang), what the instances held after close, resident
-# memory growth, and the forged messages the ctx instance dropped; then the totals. Exits 1 on wrong bytes, a hang,
-# a leak, or (outside the link-down phase) a request that did not end as it must. The namespaces are removed on
-# exit, even on failure. (tc netem is not in this machine's kernel: no delay, loss or reorder phase.)
+# tbf); on that link a 100 ms deadline that the largest requests miss (--timeout-ms); every ctx process stopped for
+# longer than the lease in the middle round, then resumed; every ctx process killed in the middle round
+# (--ctx-fault); and the link down for longer than the lease in the middle of a run, then back up, with faults in
+# 10% of the requests. One table row per phase: requests by outcome, the faults injected and any request that did
+# not end as its fault says it must, wrong bytes, the slowest failure against the deadline or lease, whether the
+# run ended by itself (no hang), what the instances held after close, resident memory growth, and the forged
+# messages the ctx instance dropped; then the totals. Exits 1 on wrong bytes, a hang, a leak, a failure later than
+# half a second past its deadline or lease, or (outside the link-down and deadline phases) a request that did not
+# end as it must. The namespaces are removed on exit, even on failure. (tc netem is not in this machine's kernel:
+# no delay, loss or reorder phase.)
 # Usage: scripts/soak.sh [ROUNDS]   rounds of the request list per phase (20 by default; 4 requests per round)
 source "$(dirname "$0")/_env.sh"
 set +e +o pipefail -u  # a phase's verdict is its table row's, not pair's exit status
@@ -46,7 +48,8 @@ if not lines:
     sys.exit(1)
 s = json.loads(lines[-1])
 slow = s["slowest_failure_s"]
-past = "-" if slow is None else f"{slow:.2f} s (lease {lease_s:.0f} s)"
+limit = f"deadline {lease_s * 1e3:.0f} ms" if "deadline" in phase else f"lease {lease_s:.0f} s"
+past = "-" if slow is None else f"{slow:.2f} s ({limit})"
 leaks = {k: v for k, v in s["leaks"].items() if v} or "none"
 rss = ", ".join(f"{k} {v / 1024:+.0f} MiB" for k, v in s["rss_growth_kb"].items())
 gbps = f"{s['gbps']:.2f}" if s["gbps"] else "-"
@@ -56,8 +59,9 @@ print(f"| {phase} | {s['requests']} | {s['verified']} | {s['failed']} | {faults}
       f"{s['mismatched_elements']} | {past} | {hung} | {leaks} | {rss} | {forged} | {gbps} |")
 with open(sys.argv[4], "a") as totals:  # requests, faulted, wrong elements, hangs
     print(s["requests"], sum(s["faults"].values()), s["mismatched_elements"], int(rc == 124), file=totals)
-link_down = phase.startswith("link down")  # there, requests without a fault may fail (by their deadline)
-bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or (s["unexpected"] and not link_down)
+late = slow is not None and slow > lease_s + 0.5  # a failure must come by its deadline (or lease), not later
+ends_early = phase.startswith("link down") or "deadline" in phase  # requests without a fault may fail (in time)
+bad = s["mismatched_elements"] or rc == 124 or leaks != "none" or late or (s["unexpected"] and not ends_early)
 sys.exit(1 if bad else 0)
 PY
 LOGS="$(mktemp -d)"
@@ -67,7 +71,7 @@ phase() {  # phase NAME ROUNDS [PAIR OPTIONS]: one pair run, one table row; its 
   shift 2
   timeout 600 "${PAIR[@]}" --rounds "$rounds" "$@" >"$LOGS/out" 2>"$LOGS/err"
   rc=$?
-  if ! python -c "$ROW" "$name" "$rc" $((LEASE_MS / 1000)) "$LOGS/totals" <"$LOGS/out"; then
+  if ! python -c "$ROW" "$name" "$rc" "${LIMIT_S:-$((LEASE_MS / 1000))}" "$LOGS/totals" <"$LOGS/out"; then
     status=1
     tail -20 "$LOGS/err" >&2
   fi
@@ -86,6 +90,7 @@ for side in "$CTX nkv-soak-c" "$GEN nkv-soak-g"; do
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate 200mbit burst 256kb latency 100ms || status=1
 done
 phase "200 Mbit/s link, faults in 10%" "$ROUNDS" --faults 0.1
+LIMIT_S=0.1 phase "200 Mbit/s link, 100 ms deadline" "$ROUNDS" --timeout-ms 100
 ip netns exec "$CTX" tc qdisc del dev nkv-soak-c root; ip netns exec "$GEN" tc qdisc del dev nkv-soak-g root
 DOWN_S=$((LEASE_MS / 1000 + 2))  # longer than the lease: requests in flight then must end by their deadline
 : >"$LOGS/err"  # (the last phase's progress must not start the next one's fault)

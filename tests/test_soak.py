@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_namespaces_with_faults_a_mixed_pairing_a_stopped_and_a_killed_ctx_and_the_link_down() -> None:
+def test_two_namespaces_with_faults_a_mixed_pairing_deadlines_a_stopped_and_a_killed_ctx_and_the_link_down() -> None:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "soak.sh"), "15"], capture_output=True, text=True, timeout=900, cwd=ROOT
     )
@@ -25,7 +25,7 @@ def test_two_namespaces_with_faults_a_mixed_pairing_a_stopped_and_a_killed_ctx_a
     clean, faulty = rows["clean link"], rows["clean link, faults in 10% of requests"]
     mixed, limited = rows["ctx tp=2 -> gen pp=2, faults in 10%"], rows["200 Mbit/s link, faults in 10%"]
     stopped, killed = rows["ctx stopped past the lease, then resumed"], rows["ctx killed mid-run"]
-    down = rows["link down 5 s mid-run, faults in 10%"]
+    down, deadline = rows["link down 5 s mid-run, faults in 10%"], rows["200 Mbit/s link, 100 ms deadline"]
     for row, requests in (
         (clean, 60),
         (faulty, 60),
@@ -34,6 +34,7 @@ def test_two_namespaces_with_faults_a_mixed_pairing_a_stopped_and_a_killed_ctx_a
         (stopped, 60),
         (killed, 32),
         (down, 600),
+        (deadline, 60),
     ):
         assert int(row[0]) == requests and row[5] == "0" and row[7] == "no" and row[8] == "none", row  # no wrong
         # element, no hang, nothing left after close
@@ -44,6 +45,7 @@ def test_two_namespaces_with_faults_a_mixed_pairing_a_stopped_and_a_killed_ctx_a
     assert stopped[6].startswith("3.0")  # lease and ended by their deadline; the rounds after it verified
     assert killed[3] == "4 ctx-kill" and 28 <= int(killed[1]) < 32  # requests in flight when it died failed
     assert 500 <= int(down[1]) < 600  # requests in flight while the link was down failed by their deadline
+    assert 0 < int(deadline[2]) < 60 and float(deadline[6].split()[0]) <= 0.6  # the largest missed it, in time
     assert float(limited[-1]) < 0.1 < float(clean[-1])  # the bytes did cross the rate-limited link
     totals = re.search(
         r"totals: (\d+) requests, (\d+) with an injected fault .*, 0 wrong elements, 0 hangs", result.stdout
