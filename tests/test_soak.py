@@ -6,6 +6,7 @@ Needs root and iproute2 (CI here runs as root): the script creates and removes i
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def test_two_namespaces_with_faults_a_mixed_pairing_deadlines_a_stopped_and_a_ki
     clean, faulty = rows["clean link"], rows["clean link, faults in 10% of requests"]
     mixed, limited = rows["ctx tp=2 -> gen pp=2, faults in 10%"], rows["200 Mbit/s link, faults in 10%"]
     stopped, killed = rows["ctx stopped past the lease, then resumed"], rows["ctx killed mid-run"]
-    down, deadline = rows["link down 5 s mid-run, faults in 10%"], rows["200 Mbit/s link, 100 ms deadline"]
+    down, deadline = rows["link down 5 s mid-run, faults in 10%"], rows["200 Mbit/s link, 200 ms deadline"]
     for row, requests in (
         (clean, 60),
         (faulty, 60),
@@ -45,8 +46,11 @@ def test_two_namespaces_with_faults_a_mixed_pairing_deadlines_a_stopped_and_a_ki
     assert stopped[6].startswith("3.0")  # lease and ended by their deadline; the rounds after it verified
     assert killed[3] == "4 ctx-kill" and 28 <= int(killed[1]) < 32  # requests in flight when it died failed
     assert 500 <= int(down[1]) < 600  # requests in flight while the link was down failed by their deadline
-    assert 0 < int(deadline[2]) < 60 and float(deadline[6].split()[0]) <= 0.6  # the largest missed it, in time
+    assert int(deadline[2]) > 0 and float(deadline[6].split()[0]) <= 0.7  # requests that missed it ended by then
     assert float(limited[-1]) < 0.1 < float(clean[-1])  # the bytes did cross the rate-limited link
+    if shutil.which("nft"):  # random TCP loss both ways (nftables): transfers may fail by their deadline, never wrong
+        lossy = rows["2% of TCP segments lost, faults in 10%"]
+        assert int(lossy[0]) == 60 and lossy[5] == "0" and lossy[7] == "no" and lossy[8] == "none", lossy
     totals = re.search(
         r"totals: (\d+) requests, (\d+) with an injected fault .*, 0 wrong elements, 0 hangs", result.stdout
     )
