@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ctx-fault",
         choices=CTX_FAULTS,
         default="",
-        help="in the middle round, right after the gen instance starts reading: SIGSTOP every ctx process for 1 s "
-        "longer than the lease, then SIGCONT (stop), or SIGKILL them (kill: the run ends with that round); that "
-        "round's requests may end either way, by their deadline, never with wrong bytes",
+        help="in the middle round, after its params were handed out and before the gen instance reads: SIGSTOP "
+        "every ctx process for 1 s longer than the lease, then SIGCONT (stop), or SIGKILL them (kill: the run ends "
+        "with that round); that round's requests may end either way, by their deadline, never with wrong bytes",
     )
     for role in ("ctx", "gen"):
         pair.add_argument(

@@ -388,11 +388,11 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
     if ctx_fault:
         for item in items:
             item[4] = f"ctx-{ctx_fault}"
-    gen.send(op="receive", items=items)
     faulted_at = time.monotonic()
-    if ctx_fault:  # right after the gen instance was told to read: its READs are posted or about to be
+    if ctx_fault:  # after its params were handed out, before the gen reads: a race with the READs could miss
         ctx.signal(signal.SIGSTOP if ctx_fault == "stop" else signal.SIGKILL)
         say(f"round {round_index + 1}/{options.rounds}: ctx instance {'stopped' if ctx_fault == 'stop' else 'killed'}")
+    gen.send(op="receive", items=items)
     received = gen.expect("received", options.step_timeout_s)
     if ctx_fault == "stop":  # kept stopped past the lease (a ctx host that hung), then resumed
         time.sleep(max(0.0, faulted_at + options.model.lease_ms / 1000 + STOPPED_PAST_LEASE_S - time.monotonic()))
