@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nixl-kv", description="KV cache transfer for disaggregated serving")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("bench", help="nixl_kv against its baselines in one run (see nixl-kv bench --help)")
+    commands.add_parser("serve", help="run a ctx, gen or router server (see nixl-kv serve --help)")
     pair = commands.add_parser("pair", help="run a ctx and a gen instance end to end and verify every element")
     spec_help = "SPEC: tp=,pp=,cp=,dp= (0/1 attention DP), layers=a:b:.. (uneven PP), layout=block_major|nhd|hnd"
     pair.add_argument("--ctx", type=_spec, default=ParallelSpec(), help=f"ctx {spec_help}")
@@ -157,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         from nixl_kv.harness.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["serve"]:  # its imports (fastapi, torch, transformers) only when serving
+        from nixl_kv.serving.serve import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "pair":
         return _pair(args)

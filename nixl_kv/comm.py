@@ -69,3 +69,18 @@ class MpiComm:
 
     def split(self, color: int, key: int) -> MpiComm:
         return MpiComm(self._comm.Split(color, key))
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this Python (the mpich wheel puts it in the venv), else the one on PATH."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from nixl_kv.errors import NotSupportedError
+
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise NotSupportedError("multi-rank instances need mpiexec: pip install mpich (or any MPI)")
+    return found

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import queue
-import shutil
 import signal
 import statistics
 import subprocess
@@ -21,9 +20,9 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from nixl_kv.comm import mpiexec_path
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.harness import faults
@@ -254,7 +253,7 @@ class Worker:
         self.ready_rss_kb = 0
         command = [sys.executable, "-m", "nixl_kv.harness.pair_worker", role, spec_json(spec)]
         if spec.world_size > 1:
-            command = [_mpiexec(), "-n", str(spec.world_size), *command]
+            command = [mpiexec_path(), "-n", str(spec.world_size), *command]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         self.process = subprocess.Popen(  # its own process group: a fault signals every process of the instance
@@ -306,15 +305,6 @@ class Worker:
             self.process.kill()
             self.process.wait()
             return {}
-
-
-def _mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel puts it in the venv), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise NotSupportedError("multi-rank instances need mpiexec: pip install mpich (or any MPI)")
-    return found
 
 
 def _rounds_held(round_bytes: int) -> int:

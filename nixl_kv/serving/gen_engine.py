@@ -144,12 +144,12 @@ class GenEngine(Engine):
             self._tokens[request_id] = num_tokens
         statuses = self.transceiver.check_gen_transfer_status(0)
         done: dict[int, TransferRequest] = {}
-        pieces: dict[int, CachePiece] = {}
+        pieces: dict[int, tuple[CachePiece, int]] = {}  # what this rank read, and its bytes
         for request_id in statuses.completed_request_ids | statuses.error_request_ids:
             request, num_tokens = self._receiving.pop(request_id), self._tokens.pop(request_id)
             done[request_id] = request
             if request.state is RequestState.GENERATION_TRANS_COMPLETE:
-                pieces[request_id] = read_piece(self.pools, request_id, num_tokens)
+                pieces[request_id] = (read_piece(self.pools, request_id, num_tokens), request.transfer_bytes)
             else:
                 self.pools.free(request_id)
         return failed, done, self.lockstep.gather(pieces)
@@ -165,10 +165,12 @@ class GenEngine(Engine):
                 fail_future(job.future, TransferFailed(request.error or "the transfer failed"))
                 continue
             self._held[request_id] = tuple(job.prompt)
-            whole = join_pieces([pieces[request_id] for pieces in gathered], self.state, self.geometry)
+            per_rank = [pieces[request_id] for pieces in gathered]
+            whole = join_pieces([piece for piece, _ in per_rank], self.state, self.geometry)
             cache = model_cache(whole, self.geometry, self.model.config)
             transfer_ms = (request.transfer_end - request.transfer_start) * 1e3
-            job.future.set_result(Received(request_id, request.transfer_bytes, transfer_ms, request.reused_blocks))
+            moved = sum(nbytes for _, nbytes in per_rank)
+            job.future.set_result(Received(request_id, moved, transfer_ms, request.reused_blocks))
             job.emit(job.first_token)
             self._decoding.append(_Decoding(job, cache, job.first_token))
 

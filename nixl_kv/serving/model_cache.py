@@ -246,9 +246,9 @@ def join_pieces(pieces: list[CachePiece], state: CacheState, geometry: CacheGeom
 def _rnn_indices(state: CacheState, rank: int) -> tuple[np.ndarray, range]:
     """The global conv channels (section by section, in the rank's memory order) and SSM heads a rank holds."""
     mine = rnn_share(state.rnn, state.parallel, rank)
-    starts = np.cumsum((0, *conv_sections(state.rnn)))
-    channels = np.concatenate([np.arange(start + r.start, start + r.stop) for start, r in zip(starts, mine.channels)])
-    return channels, mine.heads
+    starts = np.cumsum((0, *conv_sections(state.rnn)))[:-1]
+    channels = [np.arange(start + r.start, start + r.stop) for start, r in zip(starts, mine.channels, strict=True)]
+    return np.concatenate(channels), mine.heads
 
 
 # --- a rank's pools <-> its piece -------------------------------------------------------------------------------
