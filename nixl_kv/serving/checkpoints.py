@@ -51,14 +51,18 @@ CHECKPOINTS = {
 }
 
 
-def make_checkpoint(kind: str, directory: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
-    """Write the ``kind`` checkpoint (a key of CHECKPOINTS), initialised from ``seed``, in ``dtype``."""
+def make_checkpoint(
+    kind: str, directory: str | Path, dtype: str = "float32", seed: int = 0, **overrides: object
+) -> Path:
+    """Write the ``kind`` checkpoint (a key of CHECKPOINTS), initialised from ``seed``, in ``dtype``; ``overrides``
+    change its config (a model that differs from it, as a mismatched ctx/gen pair would)."""
     import transformers
 
     _quiet()
     spec = CHECKPOINTS[kind]
     architecture = getattr(transformers, spec["architecture"])
-    config = architecture.config_class(**spec["config"], eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    fields = {**spec["config"], **overrides}
+    config = architecture.config_class(**fields, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = architecture(config).to(DTYPES[dtype]).eval()
     directory = Path(directory)

@@ -15,6 +15,7 @@ ERROR_STATUS = {
     "NotSupportedError": 409,
 }
 DEADLINE_WORDS = ("deadline", "timed out", "timeout")
+BAD_PARAMS_WORDS = ("ContextPhaseParams",)  # params that fail their checksum or are missing: the caller's bytes
 
 
 def error_status(message: str) -> int:
@@ -22,6 +23,8 @@ def error_status(message: str) -> int:
     status = ERROR_STATUS.get(message.split(":", 1)[0].strip())
     if status is not None:
         return status
+    if any(word in message for word in BAD_PARAMS_WORDS):
+        return 400
     return 504 if any(word in message.lower() for word in DEADLINE_WORDS) else 502
 
 

@@ -12,8 +12,9 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, HTTPException
@@ -22,6 +23,9 @@ from pydantic import BaseModel, Field
 
 from nixl_kv.serving.gen_server import MAX_NEW_TOKENS
 from nixl_kv.serving.http_common import add_common_routes
+
+T = TypeVar("T")
+DOWN_S = 5.0  # a server that could not be connected to is passed over this long
 
 
 def encode_text(text: str) -> list[int]:
@@ -47,12 +51,23 @@ class Backends:
     in_flight: dict[str, int] = field(default_factory=dict)
     turn: itertools.count = field(default_factory=itertools.count)
 
-    def pick(self) -> str:
+    down_until: dict[str, float] = field(default_factory=dict)
+
+    def pick(self, exclude: set[str] = frozenset()) -> str | None:
+        """None when every server not excluded is down (then the least recently failed is tried)."""
         start = next(self.turn)
         order = [self.urls[(start + i) % len(self.urls)] for i in range(len(self.urls))]
-        url = min(order, key=lambda u: self.in_flight.get(u, 0))
+        order = [u for u in order if u not in exclude]
+        now = time.monotonic()
+        up = [u for u in order if self.down_until.get(u, 0) <= now]
+        if not order:
+            return None
+        url = min(up, key=lambda u: self.in_flight.get(u, 0)) if up else min(order, key=self.down_until.get)
         self.in_flight[url] = self.in_flight.get(url, 0) + 1
         return url
+
+    def mark_down(self, url: str) -> None:
+        self.down_until[url] = time.monotonic() + DOWN_S
 
     def done(self, url: str) -> None:
         self.in_flight[url] -= 1
@@ -68,23 +83,17 @@ def create_router_app(ctx_urls: list[str], gen_urls: list[str], timeout_s: float
     async def completions(body: CompletionBody) -> object:
         prompt = encode_text(body.prompt) if isinstance(body.prompt, str) else body.prompt
         started = time.perf_counter()
-        ctx_url = ctx.pick()
-        try:
-            prefilled = await _call(client, ctx_url, "/prefill", {"prompt": prompt}, "ctx")
-        finally:
-            ctx.done(ctx_url)
-        gen_url = gen.pick()
+        prefilled, ctx_url = await _first_reachable(
+            ctx, "ctx", lambda url: _call(client, url, "/prefill", {"prompt": prompt}, "ctx")
+        )
+        ctx.done(ctx_url)
         request = {
             "params": prefilled["params"],
             "prompt": prompt,
             "first_token": prefilled["first_token"],
             "max_tokens": body.max_tokens,
         }
-        try:
-            lines = await _open_stream(client, gen_url, request)
-        except BaseException:
-            gen.done(gen_url)
-            raise
+        lines, gen_url = await _first_reachable(gen, "gen", lambda url: _open_stream(client, url, request))
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(
@@ -128,9 +137,35 @@ def create_router_app(ctx_urls: list[str], gen_urls: list[str], timeout_s: float
     return app
 
 
+class Unreachable(HTTPException):
+    """The server could not be connected to: the request never reached it, so another may take it."""
+
+
+async def _first_reachable(backends: Backends, role: str, call: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
+    """``call`` on the server with the fewest requests in flight; one that cannot be connected to is passed over
+    for DOWN_S and the next is tried (the request never reached it). A server that fails once it has the request
+    fails the request. The caller ends the server's in-flight count (``Backends.done``)."""
+    tried: set[str] = set()
+    while True:
+        url = backends.pick(tried)
+        if url is None:
+            raise HTTPException(502, f"no {role} server could be reached (tried {', '.join(sorted(tried))})")
+        try:
+            return await call(url), url
+        except Unreachable:
+            backends.done(url)
+            backends.mark_down(url)
+            tried.add(url)
+        except BaseException:
+            backends.done(url)
+            raise
+
+
 async def _call(client: httpx.AsyncClient, base: str, path: str, payload: dict, role: str) -> dict:
     try:
         response = await client.post(base + path, json=payload)
+    except httpx.ConnectError as exc:
+        raise Unreachable(502, f"{role} server {base} cannot be reached: {exc}") from None
     except httpx.HTTPError as exc:
         raise HTTPException(502, f"{role} server {base} failed: {type(exc).__name__}: {exc}") from None
     if response.status_code >= 400:
@@ -142,6 +177,8 @@ async def _open_stream(client: httpx.AsyncClient, base: str, payload: dict) -> A
     """Start the gen server's response; its status is known before any token is passed on."""
     try:
         response = await client.send(client.build_request("POST", base + "/generate", json=payload), stream=True)
+    except httpx.ConnectError as exc:
+        raise Unreachable(502, f"gen server {base} cannot be reached: {exc}") from None
     except httpx.HTTPError as exc:
         raise HTTPException(502, f"gen server {base} failed: {type(exc).__name__}: {exc}") from None
     if response.status_code >= 400:
