@@ -330,21 +330,29 @@ OPTIONAL = {"cupy", "torch"}
 REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
 
 
-def test_every_import_is_a_declared_dependency() -> None:
-    tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["dependencies"]}
+def _third_party_imports(files: object) -> set[str]:
     imported: set[str] = set()
-    files = [*(ROOT / "nixl_kv").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *(ROOT / "formatters").glob("*.py")]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
+    return imported - set(sys.stdlib_module_names) - {"nixl_kv"}
+
+
+def test_every_import_is_a_declared_dependency() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["dependencies"]}
+    files = [*(ROOT / "nixl_kv").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *(ROOT / "formatters").glob("*.py")]
+    imported = _third_party_imports(files)
     third_party = imported - set(sys.stdlib_module_names) - {"nixl_kv"}
-    assert third_party - OPTIONAL == REQUIRED_IMPORTS == declared
-    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13"))
+    serving = _third_party_imports((ROOT / "nixl_kv" / "serving").rglob("*.py"))
+    assert third_party - OPTIONAL - (serving - REQUIRED_IMPORTS) == REQUIRED_IMPORTS == declared
+    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13", "serve"))
+    serve_extra = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["optional-dependencies"]["serve"]}
+    assert serving - REQUIRED_IMPORTS <= serve_extra  # the servers' imports come with `pip install nixl-kv[serve]`
     for dependency in project["dependencies"]:  # a floor (or a pin) on every one
         assert any(op in dependency for op in (">=", "==")), dependency
 
