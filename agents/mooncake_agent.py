@@ -9,8 +9,8 @@ Why it is built this way (``mooncake.engine`` of mooncake-transfer-engine 0.3.13
 - The binding has no non-blocking status for a batch of several entries (``transfer_check_status`` looks at entry 0
   only and frees the batch; ``get_batch_transfer_status`` blocks), so each READ runs as one ``batch_transfer_sync``
   on a small thread pool and ``status`` looks at its future. A running READ cannot be cancelled; the engine ends
-  one that cannot finish after ``MC_TRANSFER_TIMEOUT`` seconds (default 30, at least 5) plus 1 ns per byte, and a
-  dead peer fails at once (connection refused).
+  one that cannot finish after ``MC_TRANSFER_TIMEOUT`` seconds (default 30, at least 5) plus 1 ns per byte: a
+  dead peer fails at once (connection refused), a stopped one (SIGSTOP) at that timeout.
 - Notifications are the engine's own (``TransferNotify``, ``get_notifies``): the engine sends a READ's notification
   when the READ's batch status turns COMPLETED, so only after its bytes landed, and never for a failed READ. The
   binding has no standalone send, so ``notify`` queues, on a notifier thread of the agent's, a zero-length READ
@@ -50,12 +50,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
 
+HOSTNAME_ENV = f"{ENV_PREFIX}MOONCAKE_HOSTNAME"
 _FORMAT = "nixl_kv.mooncake/1"
 _FIELDS = {"format", "agent", "session"}
 _MAX_METADATA_BYTES = 1024
@@ -140,11 +142,12 @@ class MooncakeAgent(TransferAgent):
         self,
         name: str,
         progress_thread: bool = False,
-        hostname: str = "127.0.0.1",
+        hostname: str | None = None,
         protocol: str = "tcp",
         max_inflight: int = 2,
     ) -> None:
-        """``hostname``: the address peers reach this engine at (loopback serves one host only).
+        """``hostname``: the address peers reach this engine at; by default ``NIXL_KV_MOONCAKE_HOSTNAME``, else
+        127.0.0.1 (one host only). The transceiver passes neither, so across hosts set the variable.
         ``progress_thread`` is accepted for the registry's call and ignored: the engine runs its own threads.
         ``max_inflight``: READs running at once; each waits for its batch in a spinning loop of the engine's,
         so more than the cores available only slows the others down."""
@@ -155,6 +158,7 @@ class MooncakeAgent(TransferAgent):
                 f"the Mooncake agent needs mooncake-transfer-engine (or -non-cuda): {type(exc).__name__}: {exc}"
             ) from exc
         self.name = name
+        hostname = hostname or os.environ.get(HOSTNAME_ENV, "127.0.0.1")
         self._module = engine_module
         self._engine: Any = engine_module.TransferEngine()
         self._check("initialize the engine", "initialize", hostname, "P2PHANDSHAKE", protocol, "")
@@ -218,10 +222,6 @@ class MooncakeAgent(TransferAgent):
         if local.owner is not None or remote.owner is None:
             raise AgentError("Mooncake could not create READ: needs a local and a remote descriptor list")
         local_at, remote_at = _indices(local_indices, local), _indices(remote_indices, remote)
-        if len(local_at) != len(remote_at):
-            raise AgentError(
-                f"Mooncake could not create READ: {len(local_at)} local and {len(remote_at)} remote entries"
-            )
         batch = _batch(
             (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
             (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
