@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,19 @@ from nixl_kv.interfaces import TransferAgent, TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
+
+RDMA_DEVICES = Path("/sys/class/infiniband")
+
+
+def skip_ucx_ib_without_rdma_devices(environ: dict[str, str] = os.environ) -> bool:
+    """On a host with the RDMA libraries (libibverbs, as Mooncake's engine needs) but no RDMA device, the UCX that
+    nixl 1.5.1 bundles loads its IB modules and the process segfaults at exit. Without a device they have nothing
+    to do: unless the user chose ``UCX_MODULES``, skip them. True if it did."""
+    if "UCX_MODULES" in environ or (RDMA_DEVICES.is_dir() and any(RDMA_DEVICES.iterdir())):
+        return False
+    environ["UCX_MODULES"] = "^ib"
+    return True
+
 
 _STATUS = {"DONE": TransferStatus.DONE, "PROC": TransferStatus.IN_PROGRESS, "ERR": TransferStatus.FAILED}
 
@@ -28,6 +43,7 @@ class NixlAgent(TransferAgent):
         """``progress_thread`` starts NIXL's own busy-polling thread; off by default, because the transceiver's
         progress loop already polls the agent while transfers are pending, and a second spinning thread per
         agent halved throughput on a 2-core machine."""
+        skip_ucx_ib_without_rdma_devices()  # before UCX starts
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name

@@ -33,7 +33,10 @@ AGENT_GROUP = "nixl_kv.agents"
 FORMATTER_GROUP = "nixl_kv.formatters"
 DISTRIBUTION = "nixl-kv"
 BUILTIN: dict[str, dict[str, str]] = {
-    AGENT_GROUP: {"NIXL": "nixl_kv.agents.nixl_agent:NixlAgent"},
+    AGENT_GROUP: {
+        "NIXL": "nixl_kv.agents.nixl_agent:NixlAgent",
+        "MOONCAKE": "nixl_kv.agents.mooncake_agent:MooncakeAgent",
+    },
     FORMATTER_GROUP: {
         "default": "nixl_kv.formatters.standard:StandardFormatter",
         "mla": "nixl_kv.formatters.mla:MLAFormatter",

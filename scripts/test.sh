@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite (lint included), on a fresh machine or a reused venv. Arguments go to pytest.
 source "$(dirname "$0")/_env.sh"
+source scripts/system_deps.sh
 ruff check .
 ruff format --check .
 status=0

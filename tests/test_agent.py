@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,3 +186,16 @@ def test_a_notification_from_an_agent_whose_name_is_not_text_is_dropped_not_rais
         assert _notifications(ctx, 1, gen) == [("test-gen", b"after")]
     finally:
         hostile.remove_remote_agent("test-ctx")
+
+
+def test_ucx_skips_its_ib_modules_only_without_an_rdma_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nixl_kv.agents import nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "RDMA_DEVICES", tmp_path / "infiniband")
+    environ: dict[str, str] = {}
+    assert nixl_agent.skip_ucx_ib_without_rdma_devices(environ) and environ == {"UCX_MODULES": "^ib"}
+    chosen = {"UCX_MODULES": "ib"}
+    assert not nixl_agent.skip_ucx_ib_without_rdma_devices(chosen) and chosen == {"UCX_MODULES": "ib"}
+    (tmp_path / "infiniband" / "mlx5_0").mkdir(parents=True)
+    environ = {}
+    assert not nixl_agent.skip_ucx_ib_without_rdma_devices(environ) and environ == {}

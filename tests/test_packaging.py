@@ -155,10 +155,11 @@ def test_pyproject_declares_the_builtin_entry_points() -> None:
 
 def test_an_unknown_name_lists_what_is_installed() -> None:
     with pytest.raises(NotSupportedError) as caught:
-        registry.agent_class("MOONCAKE")
+        registry.agent_class("NO_SUCH_AGENT")
     version = importlib.metadata.version("nixl-kv")
+    installed = f"MOONCAKE (nixl-kv {version}), NIXL (nixl-kv {version})"
     assert (
-        f"no transfer agent named 'MOONCAKE'; installed (entry point group 'nixl_kv.agents'): NIXL (nixl-kv {version})"
+        f"no transfer agent named 'NO_SUCH_AGENT'; installed (entry point group 'nixl_kv.agents'): {installed}"
         in str(caught.value)
     )
     with pytest.raises(
@@ -170,7 +171,7 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
 def test_run_time_registration_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(registry._REGISTERED, registry.AGENT_GROUP, {"NIXL": "json:JSONDecoder", "MINE": "json:dumps"})
     assert registry.agent_class("NIXL") is json.JSONDecoder and registry.agent_class("MINE") is json.dumps
-    assert registry.agent_names() == ["MINE", "NIXL"]
+    assert registry.agent_names() == ["MINE", "MOONCAKE", "NIXL"]
     nixl_kv.register_formatter("other", "json:loads")
     try:
         assert registry.formatter_class("other") is json.loads
@@ -316,7 +317,7 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
     out = _python(str(tmp_path / "check.py"), cwd=tmp_path, python=python)
     assert "verified" in out and "agents: 3" in out, out
     version = importlib.metadata.version("nixl-kv")
-    listed = f"LOOPBACK (kv-loopback-plugin 1.0), NIXL (nixl-kv {version})"
+    listed = f"LOOPBACK (kv-loopback-plugin 1.0), MOONCAKE (nixl-kv {version}), NIXL (nixl-kv {version})"
     assert f"unknown: no transfer agent named 'NOPE'; installed (entry point group 'nixl_kv.agents'): {listed}" in out
     # and the project venv itself never saw it
     with pytest.raises(NotSupportedError, match="no transfer agent named 'LOOPBACK'"):
@@ -325,8 +326,9 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
 
 # --- dependencies ----------------------------------------------------------------------------------------------
 # Third-party modules imported only where optional: cupy for VRAM pools (the gpu-cu12/gpu-cu13 extras), torch for
-# the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch).
-OPTIONAL = {"cupy", "torch"}
+# the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch), mooncake for its agent (the
+# mooncake extra).
+OPTIONAL = {"cupy", "torch", "mooncake"}
 REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
 
 
@@ -350,7 +352,7 @@ def test_every_import_is_a_declared_dependency() -> None:
     third_party = imported - set(sys.stdlib_module_names) - {"nixl_kv"}
     serving = _third_party_imports((ROOT / "nixl_kv" / "serving").rglob("*.py"))
     assert third_party - OPTIONAL - (serving - REQUIRED_IMPORTS) == REQUIRED_IMPORTS == declared
-    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13", "serve"))
+    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13", "serve", "mooncake"))
     serve_extra = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["optional-dependencies"]["serve"]}
     assert serving - REQUIRED_IMPORTS <= serve_extra  # the servers' imports come with `pip install nixl-kv[serve]`
     for dependency in project["dependencies"]:  # a floor (or a pin) on every one
