@@ -19,6 +19,7 @@ from nixl_kv.harness.pair import (
     run_pair,
 )
 from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec
+from nixl_kv.registry import agent_class, agent_names
 
 
 def token_counts(text: str) -> tuple[int, ...]:
@@ -33,6 +34,18 @@ def _spec(text: str) -> ParallelSpec:
         return ParallelSpec.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _backend(text: str) -> str:
+    """A transfer agent's registry name, in any case; one that is not installed is refused now, with the list."""
+    name = text.upper()
+    try:
+        agent_class(name)
+    except NotSupportedError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ImportError as exc:  # declared, but its library is missing
+        raise argparse.ArgumentTypeError(f"backend {name} cannot load ({exc}): see README, Transfer backends") from None
+    return name
 
 
 def _rnn(text: str) -> RnnSpec:
@@ -138,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 def add_load_options(parser: argparse.ArgumentParser, busy_scope: str = "") -> None:
     """Options ``pair`` and ``bench`` share: what else the workers do and where their ranks run."""
     parser.add_argument(
+        "--backend",
+        type=_backend,
+        default="NIXL",
+        help=f"the transfer agent, for nixl_kv and for its raw READ baseline: {', '.join(agent_names())} (any case)",
+    )
+    parser.add_argument(
         "--busy-thread",
         action="store_true",
         help="every ctx and gen worker process also runs a pure-Python CPU-bound thread, as a server's model "
@@ -210,6 +229,7 @@ def _pair(args: argparse.Namespace) -> int:
         rnn=args.rnn,
         busy_thread=args.busy_thread,
         lease_ms=args.lease_ms,
+        backend=args.backend,
     )
     options = PairOptions(
         args.ctx,

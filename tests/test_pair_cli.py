@@ -176,3 +176,22 @@ def test_a_stopped_or_killed_ctx_ends_that_rounds_requests_without_wrong_bytes_l
     assert summary["leaks"]["gen"] == {} and "gen" in summary["rss_growth_kb"]  # the gen instance closed cleanly
     strays = subprocess.run(["pgrep", "-f", "nixl_kv.harness.pair_worker"], capture_output=True, text=True).stdout
     assert strays == "", strays  # no ctx or gen process outlives the run, stopped or killed
+
+
+@pytest.mark.parametrize("spec", ["tp=1", "tp=2"])
+def test_the_mooncake_backend_moves_a_pairing_beside_its_own_raw_read(spec: str) -> None:
+    pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    common = ["--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
+    result = _pair(*common, "--backend", "mooncake", "--ctx", spec, "--requests", "40,300", "--rounds", "2", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["backend"] == "MOONCAKE" and summary["verified"] == summary["requests"] == 4
+    assert summary["mismatched_elements"] == 0 and summary["raw_read_gbps"] > 0
+    assert summary["leaks"] == {"ctx": {}, "gen": {}}
+    assert "raw MOONCAKE READ of the same bytes" in result.stdout
+
+
+def test_an_unknown_backend_is_refused_with_the_installed_ones() -> None:
+    result = _pair("--backend", "carrier-pigeon", "--requests", "1")
+    assert result.returncode == 2
+    assert "no transfer agent named 'CARRIER-PIGEON'" in result.stderr and "MOONCAKE" in result.stderr

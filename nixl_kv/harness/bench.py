@@ -1,11 +1,12 @@
 """``nixl-kv bench``: nixl_kv against its baselines, measured in the same run, written as JSON (and a plot).
 
 For each request size: nixl_kv idle and with a busy thread in every worker (a server's model loop holding the
-GIL), a raw NIXL READ of the same bytes as one descriptor, a naive loop of one NIXL READ per block,
-cudaMemcpyPeer (GPU) and an NCCL send/recv (GPU); then mismatched layouts, a 70B-like TP8 -> TP4 slice, many
-concurrent 128-token requests, the latency of one 128-token request at a time (idle and busy) and the time of
-first contact with a new peer. Every nixl_kv figure is the median of the rounds after the first (which pays first
-contact) with their min-max, beside the raw READ of the same bytes measured by the same run.
+GIL), a raw READ of the same bytes as one descriptor and a naive loop of one READ per block (both on the run's
+transfer agent, ``--backend``), cudaMemcpyPeer (GPU) and an NCCL send/recv (GPU); then mismatched layouts, a
+70B-like TP8 -> TP4 slice, many concurrent 128-token requests, the latency of one 128-token request at a time (idle
+and busy) and the time of first contact with a new peer. Every nixl_kv figure is the median of the rounds after
+the first (which pays first contact) with their min-max, beside the raw READ of the same bytes measured by the
+same run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class BenchOptions:
     latency_rounds: int = 300
     placement: str = "default"  # GPUs only; the CPU has one place
     busy_thread: bool = False  # also the cases that otherwise run idle only (mismatched layouts, concurrent)
+    backend: str = "NIXL"  # the transfer agent of every case and of its raw READ baseline
 
     @classmethod
     def for_device(cls, device: str, **given: Any) -> BenchOptions:
@@ -55,7 +57,7 @@ class BenchOptions:
 
     @property
     def model(self) -> InstanceSpec:
-        return dataclasses.replace(SHAPES[self.shape], device=self.device)
+        return dataclasses.replace(SHAPES[self.shape], device=self.device, backend=self.backend)
 
 
 def _checked(report: PairReport) -> dict[str, Any]:
@@ -322,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         latency_rounds=args.latency_rounds,
         placement=args.placement,
         busy_thread=args.busy_thread,
+        backend=args.backend,
     )
     say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
     result = run_bench(options, say)

@@ -170,6 +170,7 @@ class PairReport:
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
     forged_messages: dict[str, int] = field(default_factory=dict)  # per instance: control messages it dropped
+    backend: str = "NIXL"  # the transfer agent of the run and of its raw READ
 
     @property
     def verified(self) -> int:
@@ -231,6 +232,7 @@ class PairReport:
             "leaks": self.leaks,
             "rss_growth_kb": self.rss_growth_kb,
             "ok": self.ok,
+            "backend": self.backend,
         }
 
 
@@ -331,7 +333,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
         ctx_spec, gen_spec = replace(ctx_spec, one_gpu=True), replace(gen_spec, gpu_base=1, one_gpu=True)
     elif options.placement != "default":
         raise ValueError(f"bad placement {options.placement!r}: one of {', '.join(PLACEMENTS)}")
-    report = PairReport()
+    report = PairReport(backend=options.model.backend)
     ctx, gen = Worker("ctx", ctx_spec, options.ctx_netns), Worker("gen", gen_spec, options.gen_netns)
     try:
         ctx_ready = ctx.expect("ready", WORKER_START_S)
@@ -348,7 +350,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             if options.ctx_fault == "kill" and round_index == options.rounds // 2:
                 say("the ctx instance was killed: no more rounds, no raw READ")
                 return report
-        say("measuring a raw NIXL READ of the same bytes")
+        say(f"measuring a raw {report.backend} READ of the same bytes")
         block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
     finally:
@@ -408,6 +410,7 @@ def _measure_raw(ctx: Worker, gen: Worker, nbytes: int, block_bytes: int, report
     gen.send(
         op="baseline_read",
         metadata=source["metadata"],
+        name=source["name"],
         row=source["row"],
         repeats=RAW_READ_REPEATS,
         block_bytes=block_bytes,
@@ -435,9 +438,9 @@ def format_table(report: PairReport) -> str:
     )
     if s["gbps"] and s["raw_read_gbps"] and s["per_block_read_gbps"]:
         lines.append(
-            f"nixl_kv: {s['gbps']:.2f} GB/s (median of the rounds after the first); raw NIXL READ of the same bytes "
-            f"as one descriptor: {s['raw_read_gbps']:.2f} GB/s; ratio {s['ratio_to_raw']:.2f}; a naive loop of one "
-            f"READ per block: {s['per_block_read_gbps']:.2f} GB/s"
+            f"nixl_kv: {s['gbps']:.2f} GB/s (median of the rounds after the first); raw {report.backend} READ of the "
+            f"same bytes as one descriptor: {s['raw_read_gbps']:.2f} GB/s; ratio {s['ratio_to_raw']:.2f}; a naive "
+            f"loop of one READ per block: {s['per_block_read_gbps']:.2f} GB/s"
         )
     if s["latency_p50_us"] is not None:
         rounds = "rounds after the first" if len(report.round_seconds) > 1 else "one round"

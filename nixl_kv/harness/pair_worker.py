@@ -30,9 +30,11 @@ from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.harness import faults as faults_module
 from nixl_kv.harness.fill import Slice, count_mismatches, expected, indexer_expected, rnn_expected
+from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import LayoutKind, MemoryKind
 from nixl_kv.memory import allocate, array_module, region_of
 from nixl_kv.progress import ContextProgress
+from nixl_kv.registry import agent_class
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.rnn import rnn_share
 from nixl_kv.rnn_cache import RnnStatePools
@@ -100,7 +102,9 @@ class InstanceSpec:
     indexer_dim: int = 0  # MLA: also move a DSA indexer-K cache of this index dim (quant block 128)
     rnn: RnnSpec | None = None  # hybrid: also move Mamba state
     num_slots: int = 1  # Mamba state slots per rank (requests in flight)
+    backend: str = "NIXL"  # the transfer agent (registry name), for the transceivers and the raw READ baseline
     busy_thread: bool = False  # every rank runs a pure-Python CPU-bound thread, as a server's model loop holds the GIL
+    backend: str = "NIXL"  # the transfer agent (a registry name): the transceivers' and the raw READ baseline's
 
     @classmethod
     def from_json(cls, text: str) -> InstanceSpec:
@@ -240,6 +244,7 @@ class Instance:
                 enable_inflight_cancel=spec.timeout_ms is not None,
                 max_tokens_in_buffer=spec.max_tokens_in_buffer,
                 direct_min_run_bytes=spec.direct_min_run_bytes,
+                backend=spec.backend,
             )
         )
         self.transceiver = CacheTransceiver(self.cache, self.cache_state, config, comm)
@@ -488,38 +493,37 @@ def _later(a: float | None, b: float | None) -> float | None:
 
 
 class RawReadBaseline:
-    """A plain NIXL READ of one descriptor between the two processes: the ceiling ours is compared with."""
+    """A plain READ of one descriptor between the two processes, on the run's own transfer agent (``backend``):
+    the ceiling ours is compared with. It goes through the agent interface and nothing else."""
 
-    def __init__(self, role: str, nbytes: int, memory: MemoryKind, device_id: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent = nixl_agent(f"pair-baseline-{role}-{time.time_ns()}", config)
-        self.memory = memory.value
+    def __init__(self, role: str, nbytes: int, memory: MemoryKind, device_id: int, backend: str) -> None:
+        self.agent = agent_class(backend)(f"pair-baseline-{role}-{time.time_ns()}")
+        self.memory = memory
         self.buffer = allocate((nbytes,), np.dtype(np.uint8), memory, device_id)
         self.buffer.fill(1)
         region = region_of(self.buffer, memory, device_id)
         self.row = (region.address, nbytes, device_id)
-        self.registration = self.agent.register_memory([(*self.row, "")], self.memory)
+        self.agent.register([region])
 
     def describe(self) -> None:
-        emit(op="baseline_source", metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(), row=self.row)
+        metadata = base64.b64encode(self.agent.metadata()).decode()
+        emit(op="baseline_source", metadata=metadata, name=self.agent.name, row=self.row)
 
     def serve(self, repeats: int, timeout_s: float = 120.0) -> None:
         """Make progress as the READ target (transports without hardware offload need it) until all reads end."""
         seen, deadline = 0, time.monotonic() + timeout_s
         while seen < repeats and time.monotonic() < deadline:
-            seen += sum(len(messages) for messages in self.agent.get_new_notifs().values())
+            seen += len(self.agent.poll_notifications())
         emit(op="baseline_served", reads=seen)
 
-    def read(self, metadata: str, row: list[int], repeats: int, block_bytes: int) -> None:
+    def read(self, metadata: str, name: str, row: list[int], repeats: int, block_bytes: int) -> None:
         """The same bytes as one descriptor (the ceiling) and as a naive loop of one READ per block."""
-        peer = self.agent.add_remote_agent(base64.b64decode(metadata))
+        self.agent.load_remote(base64.b64decode(metadata), name)
         count = max(1, min(row[1] // max(block_bytes, 1), MAX_NAIVE_BLOCKS))
         size = row[1] // count
-        one = self._timed(peer, row, self.row, 1, size * count, repeats)
-        per_block = self._timed(peer, row, self.row, count, size, repeats)
-        self.agent.remove_remote_agent(peer)
+        one = self._timed(name, row, self.row, 1, size * count, repeats)
+        per_block = self._timed(name, row, self.row, count, size, repeats)
+        self.agent.forget_remote(name)
         emit(op="baseline_result", seconds=one, per_block_seconds=per_block, nbytes=size * count)
 
     def _timed(self, peer: str, remote_row: list[int], local_row: tuple, count: int, size: int, repeats: int):
@@ -528,28 +532,28 @@ class RawReadBaseline:
         def rows(base: list[int] | tuple) -> np.ndarray:
             return np.array([(base[0] + i * size, size, base[2]) for i in range(count)], dtype=np.uint64)
 
-        remote = self.agent.prep_xfer_dlist(peer, rows(remote_row), self.memory)
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_row), self.memory)
+        remote = self.agent.prepare(peer, rows(remote_row), self.memory)
+        local = self.agent.prepare(None, rows(local_row), self.memory)
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
             for index in range(count):
                 notification = b"baseline" if index == count - 1 else b""
-                handle = self.agent.make_prepped_xfer("READ", local, [index], remote, [index], notification)
-                state = self.agent.transfer(handle)
-                deadline = time.perf_counter() + 60
-                while state == "PROC" and time.perf_counter() < deadline:
-                    state = self.agent.check_xfer_state(handle)
-                handle.release()
-                if state != "DONE":
+                picked = np.array([index])
+                transfer = self.agent.read(local, picked, remote, picked, notification)
+                state, deadline = self.agent.status(transfer), time.perf_counter() + 60
+                while state is TransferStatus.IN_PROGRESS and time.perf_counter() < deadline:
+                    state = self.agent.status(transfer)
+                self.agent.release_transfer(transfer)
+                if state is not TransferStatus.DONE:
                     raise RuntimeError(f"baseline READ ended in {state}")
             seconds.append(time.perf_counter() - start)
-        remote.release()
-        local.release()
+        self.agent.release_prepared(remote)
+        self.agent.release_prepared(local)
         return seconds
 
     def close(self) -> None:
-        self.agent.deregister_memory(self.registration)
+        self.agent.close()
 
 
 def serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
@@ -593,13 +597,15 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                         results=merge_results([r for _, r in gathered]),
                     )
             elif lead and op == "baseline_source":
-                baseline = RawReadBaseline(role, command["nbytes"], spec.memory, instance.device_id)
+                baseline = RawReadBaseline(role, command["nbytes"], spec.memory, instance.device_id, spec.backend)
                 baseline.describe()
             elif lead and op == "baseline_serve" and baseline is not None:
                 baseline.serve(command["repeats"])
             elif lead and op == "baseline_read":
-                baseline = RawReadBaseline(role, command["row"][1], spec.memory, instance.device_id)
-                baseline.read(command["metadata"], command["row"], command["repeats"], command["block_bytes"])
+                baseline = RawReadBaseline(role, command["row"][1], spec.memory, instance.device_id, spec.backend)
+                baseline.read(
+                    command["metadata"], command["name"], command["row"], command["repeats"], command["block_bytes"]
+                )
             elif op == "quit":
                 break
     finally:
