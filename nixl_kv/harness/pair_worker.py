@@ -104,7 +104,6 @@ class InstanceSpec:
     num_slots: int = 1  # Mamba state slots per rank (requests in flight)
     backend: str = "NIXL"  # the transfer agent (registry name), for the transceivers and the raw READ baseline
     busy_thread: bool = False  # every rank runs a pure-Python CPU-bound thread, as a server's model loop holds the GIL
-    backend: str = "NIXL"  # the transfer agent (a registry name): the transceivers' and the raw READ baseline's
 
     @classmethod
     def from_json(cls, text: str) -> InstanceSpec:
