@@ -78,10 +78,17 @@ def test_factory_backend_selection() -> None:
         assert chosen.config.backend == "NIXL"
     finally:
         chosen.close()
-    with pytest.raises(NotSupportedError, match="no transfer agent named 'MOONCAKE'"):
+    with pytest.raises(NotSupportedError, match="no transfer agent named 'CARRIER_PIGEON'"):
         create_cache_transceiver(
-            shape.cache(), shape.state(), CacheTransceiverConfig(), environ={"NIXL_KV_BACKEND": "MOONCAKE"}
+            shape.cache(), shape.state(), CacheTransceiverConfig(), environ={"NIXL_KV_BACKEND": "CARRIER_PIGEON"}
         )
+    by_environment = create_cache_transceiver(
+        shape.cache(), shape.state(), CacheTransceiverConfig(), environ={"NIXL_KV_BACKEND": "MOONCAKE"}
+    )
+    try:
+        assert by_environment.config.backend == "MOONCAKE" and type(by_environment._agent).__name__ == "MooncakeAgent"
+    finally:
+        by_environment.close()
 
 
 # --- deadlines and cancellation -----------------------------------------------------------------------------------
