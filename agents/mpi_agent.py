@@ -45,6 +45,7 @@ Why it is built this way (mpi4py 4.1 over MPICH 5.0, ch4:ucx, as the ``mpich`` w
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -72,6 +73,7 @@ ASYNC_PROGRESS_ENV = "MPIR_CVAR_ASYNC_PROGRESS"
 ASYNC_PROGRESS_DEFAULT = "1"
 READ_TIMEOUT_S = 20.0
 WORLD_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 10.0
 NOTIFY_TAG = 7
 _FORMAT = "nixl_kv.mpi/1"
 _FIELDS = {"format", "agent", "world", "rank", "regions"}
@@ -216,6 +218,22 @@ class _World:
             found, self.inbox[name] = self.inbox.get(name, []), []
             return found
 
+    def shutdown(self, timeout_s: float = EXIT_TIMEOUT_S) -> None:
+        """At exit, before Python frees the memory of the pools: once every rank got here (within ``timeout_s``; a
+        dead or busy rank makes it give up), complete every Get (unlock) and free the window, which returns only when
+        no Get of any rank targets this process any more. A Get served after its memory was freed crashed the
+        target (measured)."""
+        arrived, deadline = self.notes.Ibarrier(), time.monotonic() + timeout_s
+        while not arrived.Test():
+            if time.monotonic() > deadline:
+                log.error("MPI agent at exit: not every rank arrived within %.0f s; the window stays open", timeout_s)
+                return
+            time.sleep(1e-3)
+        with self.lock:
+            self.window.Unlock_all()
+            self.window.Free()
+            self.abandoned.clear()
+
     def _sort(self, message: Any, source: int, nbytes: int) -> None:
         """File one matched message under its receiver; drop (and log) what no agent of this process can take."""
         if nbytes > _MAX_NOTIFICATION_BYTES:
@@ -286,6 +304,7 @@ def _world(timeout_s: float = WORLD_TIMEOUT_S) -> _World:
         if os.environ.get(ASYNC_PROGRESS_ENV) != "1":
             log.info("MPI without async progress: READs from this process complete only while it polls MPI")
         _WORLD = _World(mpi, window, notes, world_id, world.Get_rank(), world.Get_size())
+        atexit.register(_WORLD.shutdown)  # runs before mpi4py finalizes MPI and Python frees the pools
         return _WORLD
 
 
@@ -443,7 +462,7 @@ class MpiAgent(TransferAgent):
             self._closed = True
             world = self._world
             for transfer in self._transfers:
-                if transfer.request is not None and not self._test(transfer):
+                if transfer.request is not None and not self._landed(transfer):
                     with world.lock:
                         world.abandoned.append(transfer.request)
             self._transfers.clear()
