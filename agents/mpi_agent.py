@@ -8,8 +8,8 @@ Why it is built this way (mpi4py 4.1 over MPICH 5.0, ch4:ucx, as the ``mpich`` w
   first MPI agent at the same time**, as the transceivers of a ctx and a gen instance launched as one MPMD job do at
   start-up (``nixl-kv pair --backend mpi``); a rank that does not arrive within ``WORLD_TIMEOUT_S`` makes the others
   fail with AgentError instead of hanging (a non-blocking barrier first). The window and the communicator live until
-  MPI is finalized. The window stays in one passive epoch (``MPI_Win_lock_all``, NOCHECK) for its life: a READ is an
-  ``MPI_Rget``, complete when its request is, and no unlock can hang on a dead peer.
+  the process exits (see Exit). The window stays in one passive epoch (``MPI_Win_lock_all``, NOCHECK) for its
+  life: a READ is an ``MPI_Rget``, complete when its request is, and no unlock can hang on a dead peer.
 - **register = MPI_Win_attach** (local, any time), refcounted per process, since agents of one process share the
   window; displacements are absolute addresses, so a peer's descriptor rows are used as they are. The metadata
   (msgpack, a few dozen bytes plus 16 per region) carries the agent name, its world rank, an id of its MPI world
@@ -22,12 +22,18 @@ Why it is built this way (mpi4py 4.1 over MPICH 5.0, ch4:ucx, as the ``mpich`` w
 - **A READ** is one ``MPI_Rget`` with two ``hindexed`` datatypes (absolute local addresses from ``MPI_BOTTOM``;
   remote displacements from the lowest remote address), after merging runs that continue on both sides: a 4096-entry
   scattered READ is one request. Within one process (two agents, or a one-rank world) it is a Get on self.
-- **Progress.** The dynamic window's Gets are served by active messages, so they complete only while the *target*
-  process makes MPI progress (measured: a Get to a target sleeping outside MPI waited until it woke). Two ways:
-  ``MPIR_CVAR_ASYNC_PROGRESS=1``, an MPICH thread in C that serves them whatever the target's Python does, at the
-  price of one core spinning per process; or the target's own polling, as the transceiver's progress loop calls
-  ``poll_notifications`` (a probe: MPI progress) at least every 2 ms. See ``ASYNC_PROGRESS_DEFAULT``: the agent sets
-  the variable before MPI starts, unless it is set or MPI started already.
+- **Progress: MPICH's progress thread (``MPIR_CVAR_ASYNC_PROGRESS=1``), set by the agent before MPI starts unless
+  the variable is set or MPI started already** (``nixl-kv pair`` sets it for its MPI job, whose workers start MPI
+  before their agent). The dynamic window's Gets are served by active messages, so they complete only while the
+  *target* process makes MPI progress: a Get to a target sleeping outside MPI waited until it woke. With the thread,
+  the ctx rank's Python does nothing per READ; the price is one core spinning per process. Measured (2-core VM, two
+  ranks, 64 MiB, median of 5): one run 2.3 GB/s with the target asleep, 3.2 GB/s with it polling; 8192 scattered
+  8 KiB entries 1.2 GB/s either way. Without the thread, progress rests on the target's polling (the transceiver's
+  progress loop probes at least every 2 ms): a 64 MiB READ did not finish in 8 s against a target polling every
+  2 ms, and ``nixl-kv pair --busy-thread`` lost 2 of 6 requests to the deadline.
+- **Exit.** MPI serves a Get from whatever the address holds; once Python freed the pools, a Get still in flight
+  crashed the target (SIGSEGV, measured). At exit the agent waits until every rank arrived (bounded), then unlocks
+  and frees the window: that returns only when no Get targets the process any more.
 - **Notifications** are messages on the duplicated communicator, tag ``NOTIFY_TAG``, msgpack of (sender name,
   receiver name, bytes); one process-wide inbox (matched probes, so threads cannot steal each other's message) sorts
   them by receiver. A READ's notification is sent by ``status`` once the READ's request completed, so only after
@@ -36,10 +42,11 @@ Why it is built this way (mpi4py 4.1 over MPICH 5.0, ch4:ucx, as the ``mpich`` w
   ``MPI_Win_unlock`` on it hangs). A READ therefore ends FAILED once its deadline passed
   (``NIXL_KV_MPI_READ_TIMEOUT_S``, default 20 s, plus 1 ns per byte). An Rget cannot be cancelled:
   ``release_transfer`` of one still outstanding returns False (its destination must stay poisoned), and ``close``
-  hands such requests to the process, which keeps them until exit. What MPI cannot recover: the window of a world
-  with a dead rank stays usable for the living ranks only as far as MPICH goes (it did here), the world cannot be
-  shrunk, and mpiexec (hydra) by default tears the whole job down when one rank dies (``-disable-auto-cleanup``
-  keeps the others running).
+  hands such requests to the process, which keeps them until exit. What MPI cannot recover: the outstanding Rget
+  (its destination stays poisoned), the world (it cannot be shrunk; whether the window still serves the living ranks
+  is MPICH's business, not tested here), and the job: mpiexec (hydra) ends the whole job when one rank dies, and
+  with ``-disable-auto-cleanup`` it still killed the survivor in 4 of 6 runs here. A process whose peer died waits
+  ``EXIT_TIMEOUT_S`` at exit for ranks that never come, and leaves the window open.
 - DRAM only: the PyPI ``mpich`` is not GPU-aware, so VRAM raises NotSupportedError.
 """
 
