@@ -50,6 +50,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from nixl_kv.agents import descriptors as descriptors_module
+from nixl_kv.agents.descriptors import inside, repeats
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -347,7 +349,7 @@ class MooncakeAgent(TransferAgent):
 
     def _check_local(self, addresses: np.ndarray, lengths: np.ndarray, what: str) -> None:
         """Every entry inside one registered region (the TCP client would copy into any address)."""
-        outside = np.flatnonzero(~_inside(addresses, lengths, self._registrations))
+        outside = np.flatnonzero(~inside(addresses, lengths, self._registrations))
         if len(outside):
             first = int(outside[0])
             raise AgentError(
@@ -386,42 +388,19 @@ def _by_location(regions: Sequence[MemoryRegion]) -> dict[str, list[MemoryRegion
     return groups
 
 
-def _inside(addresses: np.ndarray, lengths: np.ndarray, registrations: list[tuple[int, int]]) -> np.ndarray:
-    """Whether each entry lies inside one of the (sorted, disjoint) registrations."""
-    if not registrations:
-        return np.zeros(len(addresses), dtype=bool)
-    starts, sizes = (np.array(column, dtype=np.uint64) for column in zip(*registrations, strict=True))
-    where = np.searchsorted(starts, addresses, side="right") - 1
-    return (where >= 0) & (addresses + lengths <= (starts + sizes)[np.maximum(where, 0)])
-
-
 def _table(descriptors: np.ndarray, width: tuple[int, ...], what: str) -> np.ndarray:
     try:
-        rows = np.asarray(descriptors, dtype=np.uint64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise AgentError(f"Mooncake could not {what}: {type(exc).__name__}: {exc}") from exc
-    if rows.ndim != 2 or rows.shape[1] not in width:
-        raise AgentError(
-            f"Mooncake could not {what}: rows of shape {rows.shape}, expected Nx{'/'.join(map(str, width))}"
-        )
-    return rows
+        return descriptors_module.table(descriptors, width)
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
 
 
 def _expand(descriptors: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows as one entry per unit."""
-    rows = _table(descriptors, (3, 5), what)
-    if rows.shape[1] == 3:
-        return rows[:, 0].copy(), rows[:, 1].copy(), np.arange(len(rows))
-    row_of, step = _repeats(rows[:, 4])
-    return rows[row_of, 0] + step * rows[row_of, 3], rows[row_of, 1], row_of
-
-
-def _repeats(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Item i repeated ``counts[i]`` times: (the item of each repeat, the repeat's position within its item)."""
-    counts = counts.astype(np.int64)
-    item = np.repeat(np.arange(len(counts)), counts)
-    position = np.arange(len(item)) - np.repeat(np.cumsum(counts) - counts, counts)
-    return item, position.astype(np.uint64)
+    try:
+        return descriptors_module.expand(descriptors)
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
 
 
 def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -431,10 +410,10 @@ def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _indices(indices: np.ndarray, prepared: MooncakePrepared) -> np.ndarray:
-    picked = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if len(picked) and (picked.min() < 0 or picked.max() >= len(prepared.addresses)):
-        raise AgentError(f"Mooncake could not create READ: an index is outside the {len(prepared.addresses)} entries")
-    return picked
+    try:
+        return descriptors_module.picked(indices, len(prepared.addresses))
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not create READ: {exc}") from exc
 
 
 def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Batch:
@@ -453,7 +432,7 @@ def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Ba
     )
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     lengths = np.add.reduceat(local_len, starts)
-    entry, piece = _repeats(np.maximum(1, (lengths + (_MAX_ENTRY_BYTES - 1)) // _MAX_ENTRY_BYTES))  # 0 bytes: 1 entry
+    entry, piece = repeats(np.maximum(1, (lengths + (_MAX_ENTRY_BYTES - 1)) // _MAX_ENTRY_BYTES))  # 0 bytes: 1 entry
     offset = piece * np.uint64(_MAX_ENTRY_BYTES)
     return _Batch(
         (local_at[starts][entry] + offset).tolist(),
