@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from nixl_kv.harness.pair import PairReport, RequestResult, percentile
-from nixl_kv.registry import agent_names
 
 
 def _pair(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
@@ -179,17 +178,30 @@ def test_a_stopped_or_killed_ctx_ends_that_rounds_requests_without_wrong_bytes_l
     assert strays == "", strays  # no ctx or gen process outlives the run, stopped or killed
 
 
-@pytest.mark.parametrize("spec", ["tp=1", "tp=2"])
-def test_the_mooncake_backend_moves_a_pairing_beside_its_own_raw_read(spec: str) -> None:
-    pytest.importorskip("mooncake.engine", exc_type=ImportError)
+BACKEND_GRID = [  # a sample of tests/test_multirank.py's pairings: the same layout, TP and PP mismatches, pool layouts
+    ("tp=1", "tp=1"),
+    ("tp=2", "tp=1,layout=nhd"),
+    ("tp=1", "pp=2"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("ctx", "gen"), BACKEND_GRID)
+@pytest.mark.parametrize("backend", ["mooncake", "mpi"])
+def test_every_backend_moves_a_sample_of_the_pairing_grid_beside_its_own_raw_read(
+    backend: str, ctx: str, gen: str
+) -> None:
+    """NIXL runs the whole grid in tests/test_multirank.py. MPI runs both instances as one mpiexec job."""
     common = ["--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
-    result = _pair(*common, "--backend", "mooncake", "--ctx", spec, "--requests", "40,300", "--rounds", "2", "--json")
+    result = _pair(
+        *common, "--backend", backend, "--ctx", ctx, "--gen", gen, "--requests", "40,300", "--rounds", "2", "--json"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = _summary(result)
-    assert summary["backend"] == "MOONCAKE" and summary["verified"] == summary["requests"] == 4
+    assert summary["backend"] == backend.upper() and summary["verified"] == summary["requests"] == 4
     assert summary["mismatched_elements"] == 0 and summary["raw_read_gbps"] > 0
     assert summary["leaks"] == {"ctx": {}, "gen": {}}
-    assert "raw MOONCAKE READ of the same bytes" in result.stdout
+    assert f"raw {backend.upper()} READ of the same bytes" in result.stdout
 
 
 def test_an_unknown_backend_is_refused_with_the_installed_ones() -> None:
@@ -198,30 +210,6 @@ def test_an_unknown_backend_is_refused_with_the_installed_ones() -> None:
     assert "no transfer agent named 'CARRIER-PIGEON'" in result.stderr and "MOONCAKE" in result.stderr
 
 
-needs_mpi_agent = pytest.mark.skipif(
-    "MPI" not in agent_names(),
-    reason="the MPI agent is not declared yet: pyproject.toml's nixl_kv.agents entry point MPI (then pip install -e .)",
-)
-
-
-@pytest.mark.mpi
-@needs_mpi_agent
-@pytest.mark.parametrize(("ctx", "gen"), [("tp=1", "tp=1"), ("tp=2", "tp=1")])
-def test_the_mpi_backend_runs_both_instances_as_one_mpi_job(ctx: str, gen: str) -> None:
-    """Both instances are the two applications of one mpiexec job, talking to the router through named pipes."""
-    common = ["--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
-    result = _pair(
-        *common, "--backend", "mpi", "--ctx", ctx, "--gen", gen, "--requests", "40,300", "--rounds", "2", "--json"
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    summary = _summary(result)
-    assert summary["backend"] == "MPI" and summary["verified"] == summary["requests"] == 4
-    assert summary["mismatched_elements"] == 0 and summary["raw_read_gbps"] > 0
-    assert summary["leaks"] == {"ctx": {}, "gen": {}}
-    assert "raw MPI READ of the same bytes" in result.stdout
-
-
-@needs_mpi_agent
 def test_the_mpi_backend_refuses_a_ctx_fault() -> None:
     """Both instances are one MPI job, which mpiexec ends as a whole when a rank dies."""
     result = _pair("--backend", "mpi", "--requests", "1", "--rounds", "3", "--ctx-fault", "kill")
