@@ -50,6 +50,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from nixl_kv.agents.rows import expand, picked, region_of, repeats
+from nixl_kv.agents.rows import table as rows_table
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -199,7 +201,7 @@ class MooncakeAgent(TransferAgent):
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"prepare descriptors of {owner or 'local memory'}"
         self._check_memory(memory)
-        addresses, lengths, rows = _expand(descriptors, what)
+        addresses, lengths, rows = expand(descriptors, f"Mooncake could not {what}")
         if owner is None:
             self._check_local(addresses, lengths, what)
         else:
@@ -221,7 +223,10 @@ class MooncakeAgent(TransferAgent):
     ) -> Any:
         if local.owner is not None or remote.owner is None:
             raise AgentError("Mooncake could not create READ: needs a local and a remote descriptor list")
-        local_at, remote_at = _indices(local_indices, local), _indices(remote_indices, remote)
+        local_at, remote_at = (
+            picked(indices, len(prepared.addresses), "Mooncake could not create READ")
+            for indices, prepared in ((local_indices, local), (remote_indices, remote))
+        )
         batch = _batch(
             (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
             (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
@@ -347,7 +352,7 @@ class MooncakeAgent(TransferAgent):
 
     def _check_local(self, addresses: np.ndarray, lengths: np.ndarray, what: str) -> None:
         """Every entry inside one registered region (the TCP client would copy into any address)."""
-        outside = np.flatnonzero(~_inside(addresses, lengths, self._registrations))
+        outside = np.flatnonzero(region_of(addresses, lengths, self._registrations) < 0)
         if len(outside):
             first = int(outside[0])
             raise AgentError(
@@ -369,6 +374,12 @@ class MooncakeAgent(TransferAgent):
             raise AgentError(f"Mooncake could not {what}: {method} returned {code}")
 
 
+def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nx3 rows as (addresses, lengths, row ids): every row is a range of its own (never merged)."""
+    table = rows_table(rows, (3,), "Mooncake could not describe ranges")
+    return table[:, 0], table[:, 1], np.arange(len(table))
+
+
 def _queued_per_peer() -> int:
     """The TCP transport's queue of entries per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024 unless set)."""
     try:
@@ -384,57 +395,6 @@ def _by_location(regions: Sequence[MemoryRegion]) -> dict[str, list[MemoryRegion
         location = "*" if region.memory is MemoryKind.DRAM else f"cuda:{region.device_id}"
         groups.setdefault(location, []).append(region)
     return groups
-
-
-def _inside(addresses: np.ndarray, lengths: np.ndarray, registrations: list[tuple[int, int]]) -> np.ndarray:
-    """Whether each entry lies inside one of the (sorted, disjoint) registrations."""
-    if not registrations:
-        return np.zeros(len(addresses), dtype=bool)
-    starts, sizes = (np.array(column, dtype=np.uint64) for column in zip(*registrations, strict=True))
-    where = np.searchsorted(starts, addresses, side="right") - 1
-    return (where >= 0) & (addresses + lengths <= (starts + sizes)[np.maximum(where, 0)])
-
-
-def _table(descriptors: np.ndarray, width: tuple[int, ...], what: str) -> np.ndarray:
-    try:
-        rows = np.asarray(descriptors, dtype=np.uint64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise AgentError(f"Mooncake could not {what}: {type(exc).__name__}: {exc}") from exc
-    if rows.ndim != 2 or rows.shape[1] not in width:
-        raise AgentError(
-            f"Mooncake could not {what}: rows of shape {rows.shape}, expected Nx{'/'.join(map(str, width))}"
-        )
-    return rows
-
-
-def _expand(descriptors: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows as one entry per unit."""
-    rows = _table(descriptors, (3, 5), what)
-    if rows.shape[1] == 3:
-        return rows[:, 0].copy(), rows[:, 1].copy(), np.arange(len(rows))
-    row_of, step = _repeats(rows[:, 4])
-    return rows[row_of, 0] + step * rows[row_of, 3], rows[row_of, 1], row_of
-
-
-def _repeats(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Item i repeated ``counts[i]`` times: (the item of each repeat, the repeat's position within its item)."""
-    counts = counts.astype(np.int64)
-    item = np.repeat(np.arange(len(counts)), counts)
-    position = np.arange(len(item)) - np.repeat(np.cumsum(counts) - counts, counts)
-    return item, position.astype(np.uint64)
-
-
-def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Nx3 rows as (addresses, lengths, row ids): every row is a range of its own (never merged)."""
-    table = _table(rows, (3,), "describe ranges")
-    return table[:, 0], table[:, 1], np.arange(len(table))
-
-
-def _indices(indices: np.ndarray, prepared: MooncakePrepared) -> np.ndarray:
-    picked = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if len(picked) and (picked.min() < 0 or picked.max() >= len(prepared.addresses)):
-        raise AgentError(f"Mooncake could not create READ: an index is outside the {len(prepared.addresses)} entries")
-    return picked
 
 
 def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Batch:
@@ -453,7 +413,7 @@ def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Ba
     )
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     lengths = np.add.reduceat(local_len, starts)
-    entry, piece = _repeats(np.maximum(1, (lengths + (_MAX_ENTRY_BYTES - 1)) // _MAX_ENTRY_BYTES))  # 0 bytes: 1 entry
+    entry, piece = repeats(np.maximum(1, (lengths + (_MAX_ENTRY_BYTES - 1)) // _MAX_ENTRY_BYTES))  # 0 bytes: 1 entry
     offset = piece * np.uint64(_MAX_ENTRY_BYTES)
     return _Batch(
         (local_at[starts][entry] + offset).tolist(),

@@ -42,6 +42,7 @@ AGENTS = {
     for kind in (
         AgentKind("NIXL", "nixl_kv.agents.nixl_agent:NixlAgent", "nixl"),
         AgentKind("MOONCAKE", "nixl_kv.agents.mooncake_agent:MooncakeAgent", "mooncake.engine"),
+        AgentKind("UCX", "nixl_kv.agents.ucx_agent:UcxAgent", "libucx"),
     )
 }
 ROOT = Path(__file__).resolve().parents[1]
