@@ -20,9 +20,12 @@ Why it is built this way (libucp of the PyPI wheel ``libucx-cu12``, 1.21/1.22, t
   agent runs a progress thread that sleeps on the worker's event fd (``ucp_worker_arm``, ``poll``) and progresses
   when UCX has work: no core spins, and ctypes releases the GIL inside each UCX call. One lock serializes every call
   into the worker (serialized thread mode), so the caller's thread and the progress loop may call the agent too.
-- UCX cannot cancel a GET in flight: ``release_transfer`` of one returns False and keeps it (``close`` waits for it
-  within a deadline, then force-closes the endpoint). An endpoint's rkeys and the endpoint itself are released only
-  when no transfer of that peer is left running, so ``forget_remote`` never pulls a key from under a GET.
+- UCX cannot cancel one GET: ``release_transfer`` of a READ still running returns False and keeps it. What stops
+  GETs is force-closing their endpoint (they end CANCELED, and nothing lands after): done to a peer whose READ
+  outlived its deadline (``timeout_s``: a stopped peer keeps its TCP connection up, so UCX alone would wait
+  forever; a dead one fails at once) and, at ``close``, to peers still read after ``_CLOSE_S``. A peer's rkeys and
+  endpoint are released only when none of its transfers is left running: ``forget_remote`` never pulls a key from
+  under a GET.
 - DRAM only: VRAM raises NotSupportedError (UCX's CUDA transports would need the memory type and a CUDA context).
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import select
 import threading
 import time
@@ -43,6 +47,7 @@ import numpy as np
 
 from nixl_kv.agents import ucp_binding as ucp
 from nixl_kv.agents.rows import expand, picked, region_of, table
+from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
@@ -56,6 +61,8 @@ _MAX_REGIONS = 4096
 _MAX_KEY_BYTES = 4096
 _AM_ID = 0x4B56  # the agent's one active message kind: a notification (header: sender name, data: message)
 _WAKE_S = 0.1  # the progress thread's longest sleep: a safety net, the event fd wakes it for UCX's work
+_TIMEOUT_S = 30.0  # a READ's deadline unless NIXL_KV_UCX_TIMEOUT_S says otherwise
+TIMEOUT_ENV = f"{ENV_PREFIX}UCX_TIMEOUT_S"
 _CLOSE_S = 5.0  # how long close waits for transfers, notifications and endpoint closes to end
 _PROGRESS_ROUNDS = 64  # per advance: a stream of events must not keep the lock from the caller's thread
 
@@ -125,7 +132,7 @@ class _Peer:
     endpoint: int
     rkeys: list[int] = field(default_factory=list)
     failed: int = 0  # the status UCX reported for the endpoint (0: healthy)
-    abandoned: bool = False  # GETs were left in flight at close: its endpoint is force-closed
+    connected: bool = True  # the endpoint is open (not yet closed by this agent)
     retired: bool = False  # forgotten or replaced: no new transfer; released once ``users`` is 0
     users: int = 0  # transfers of this peer still running
 
@@ -152,6 +159,7 @@ class UcxTransfer:
     peer: _Peer
     requests: list[int]
     notification: bytes
+    deadline: float  # time.monotonic(); past it, the READ fails and its peer's endpoint is force-closed
     reaped: int = 0
     error: str = ""
     sent: bool = False  # the notification is handed to UCX (or there is none)
@@ -176,14 +184,18 @@ class UcxAgent(TransferAgent):
     Thread-safe: one lock serializes every call into the worker; the agent's progress thread takes it too.
     """
 
-    def __init__(self, name: str, progress_thread: bool = False) -> None:
+    def __init__(self, name: str, progress_thread: bool = False, timeout_s: float | None = None) -> None:
         """``progress_thread`` is accepted for the registry's call and ignored: the agent always runs its own
-        event-driven progress thread (it sleeps on the worker's event fd, see the module docstring)."""
+        event-driven progress thread (it sleeps on the worker's event fd, see the module docstring).
+        ``timeout_s``: a READ still running after it fails, and its peer's endpoint is force-closed (default
+        ``NIXL_KV_UCX_TIMEOUT_S``, else 30): a peer that stopped (SIGSTOP, a hung host) keeps its TCP connection
+        up, and UCX would wait for it forever."""
         try:
             self._context = ucp.Context()
         except ImportError as exc:
             raise NotSupportedError(str(exc)) from exc
         self.name = name
+        self._timeout_s = timeout_s if timeout_s is not None else _env_timeout()
         self._lock = threading.Lock()
         self._worker = ucp.Worker(self._context)
         self._address = self._worker.address()
@@ -343,7 +355,9 @@ class UcxAgent(TransferAgent):
         with self._lock:
             self._progress_until(lambda: not (self._running or self._sends), "READs and notifications to end")
             for transfer in list(self._running):
-                log.warning("UCX agent %s: a READ from %s still ran at close", self.name, transfer.peer.name)
+                self._abort(transfer.peer, "it was still read at close")
+            self._progress_until(lambda: not self._running, "READs to be cancelled")
+            for transfer in list(self._running):
                 self._drop_requests(transfer)
             for request, _ in self._sends:
                 ucp.request_free(request)
@@ -398,8 +412,12 @@ class UcxAgent(TransferAgent):
         for _ in range(_PROGRESS_ROUNDS):
             if not self._worker.progress():
                 break
+        now = time.monotonic()
         for transfer in list(self._running):
             self._reap(transfer)
+            if transfer.running and now > transfer.deadline and not transfer.error:
+                transfer.error = f"the READ from {transfer.peer.name} did not end within {self._timeout_s:.0f} s"
+                self._abort(transfer.peer, transfer.error)
         self._sends = [(request, buffer) for request, buffer in self._sends if not _finished(request, "notify")]
         self._closing = [request for request in self._closing if not _finished(request, "close an endpoint")]
 
@@ -444,7 +462,7 @@ class UcxAgent(TransferAgent):
         with self._lock:
             self._check_open(what)
             self._check_usable(peer, what)
-            transfer = UcxTransfer(peer, [], bytes(notification))
+            transfer = UcxTransfer(peer, [], bytes(notification), time.monotonic() + self._timeout_s)
             peer.users += 1
             self._transfers.add(transfer)
             self._running.add(transfer)
@@ -508,18 +526,33 @@ class UcxAgent(TransferAgent):
             self._release(peer)
 
     def _release(self, peer: _Peer) -> None:
-        """Destroy the peer's rkeys, then close its endpoint (forced if it failed or GETs may still be in it)."""
+        """Destroy the peer's rkeys (no GET uses them any more), then close its endpoint."""
         for rkey in peer.rkeys:
             ucp.rkey_destroy(rkey)
         peer.rkeys.clear()
+        self._disconnect(peer, force=bool(peer.failed))
+
+    def _abort(self, peer: _Peer, why: str) -> None:
+        """Stop every GET of a peer that does not answer: force-close its endpoint. UCX completes the GETs in it
+        with UCS_ERR_CANCELED and writes nothing after (the connection is gone); its rkeys wait for ``_release``
+        (UCX frees an rkey without touching its endpoint)."""
+        log.warning("UCX agent %s: force-closing the endpoint to %s: %s", self.name, peer.name, why)
+        peer.failed = peer.failed or ucp.ERR_ENDPOINT_TIMEOUT
+        self._disconnect(peer, force=True)
+
+    def _disconnect(self, peer: _Peer, force: bool) -> None:
+        if not peer.connected:
+            return
+        peer.connected = False
         try:
-            if (request := ucp.close_endpoint(peer.endpoint, force=bool(peer.failed or peer.abandoned))) is not None:
+            if (request := ucp.close_endpoint(peer.endpoint, force)) is not None:
                 self._closing.append(request)
         except AgentError as exc:
             log.info("UCX agent %s: closing the endpoint to %s: %s", self.name, peer.name, exc)
 
     def _drop_requests(self, transfer: UcxTransfer) -> None:
-        """Close time, deadline passed: UCX frees the requests when they end; the endpoint is then force-closed."""
+        """Close time, even cancelling did not end them: UCX frees the requests when (if ever) they end."""
+        log.warning("UCX agent %s: a READ from %s did not end by close", self.name, transfer.peer.name)
         for request in transfer.requests[transfer.reaped :]:
             ucp.request_free(request)
         transfer.reaped = len(transfer.requests)
@@ -527,7 +560,6 @@ class UcxAgent(TransferAgent):
             ucp.request_free(transfer.note[0])
             transfer.note = None
         transfer.error = transfer.error or "closed"
-        transfer.peer.abandoned = True
         self._running.discard(transfer)
         self._unuse(transfer.peer)
 
@@ -595,9 +627,17 @@ def _finished(request: int, what: str) -> bool:
     if status == ucp.INPROGRESS:
         return False
     ucp.request_free(request)
-    if status != ucp.OK:
-        log.warning("UCX could not %s: %s (%d)", what, ucp.status_string(status), status)
+    if status != ucp.OK:  # a closing endpoint whose peer went first: expected, not news
+        level = logging.INFO if what == "close an endpoint" else logging.WARNING
+        log.log(level, "UCX could not %s: %s (%d)", what, ucp.status_string(status), status)
     return True
+
+
+def _env_timeout() -> float:
+    try:
+        return max(0.001, float(os.environ[TIMEOUT_ENV]))
+    except (KeyError, ValueError):
+        return _TIMEOUT_S
 
 
 def _check_memory(memory: MemoryKind) -> None:
