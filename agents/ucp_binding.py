@@ -1,8 +1,21 @@
 """A small ctypes binding over libucp (UCX's protocol layer): only the calls the UCX agent makes.
 
-Why ctypes: ucxx, the maintained Python binding, has no RMA (no ``ucp_mem_map``, rkeys or ``ucp_get_nbx``). The
-libraries come from the PyPI wheel ``libucx-cu12`` (``libucx.load_library()`` opens them with RTLD_LOCAL, from the
-wheel or, with ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``, from the system), never from nixl's vendored copy.
+Why ctypes: ucxx, the maintained Python binding, has no RMA (no ``ucp_mem_map``, rkeys or ``ucp_get_nbx``).
+
+Which libucp, in this order:
+
+1. ``NIXL_KV_UCX_LIBRARY`` (a path), when set;
+2. the ``libucp.so.0`` already in the process, if any: the mpich wheel's MPI bundles UCX (1.20) under the usual
+   sonames, loaded by mpi4py before the agent in a multi-rank instance. Loading another UCX beside it does not
+   work: its ``libuct`` binds to the loaded ``libucs.so.0`` by soname (``undefined symbol:
+   ucs_ifname_to_ndev_index``), and ``dlmopen`` into a namespace of its own crashed in that namespace's libc
+   (``printf_fp``, locale not initialised);
+3. the PyPI wheel ``libucx-cu12`` (``libucx.load_library()``), never nixl's vendored copy (mangled names).
+
+UCX does not promise wire compatibility across versions (a 1.22 reader segfaulted a 1.20 target here): the agent's
+metadata carries the version, and a peer of another one is refused. Every process of a deployment, ctx and gen,
+must therefore resolve to one UCX: where some load MPI and others do not, point ``NIXL_KV_UCX_LIBRARY`` at MPI's
+libucp (or preload the wheel's everywhere).
 
 The structures below are the leading fields of UCX 1.21/1.22's parameter structs (checked with ``offsetof`` against
 the wheel's headers), padded to the full size; a field is only read when its bit is set in ``field_mask``.
@@ -14,12 +27,15 @@ from __future__ import annotations
 
 import ctypes as C
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
 from nixl_kv.errors import AgentError
 
-API_MAJOR, API_MINOR = 1, 21  # the oldest API whose struct layouts this binding was checked against
+MIN_VERSION = (1, 15)  # ucp_get_nbx, ucp_am_send_nbx and these struct layouts are older; 1.20-1.22 were run
+LIBRARY_ENV = "NIXL_KV_UCX_LIBRARY"
+_RTLD_NOLOAD = 4
 FEATURE_RMA, FEATURE_WAKEUP, FEATURE_AM = 1 << 1, 1 << 4, 1 << 6
 THREAD_MODE_SERIALIZED = 1
 ERR_HANDLING_MODE_PEER = 1
@@ -117,32 +133,58 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name: (restype, argtypes)
     "ucp_am_send_nbx": (_vp, [_vp, C.c_uint, _vp, C.c_size_t, _vp, C.c_size_t, C.POINTER(_RequestParams)]),
     "ucp_request_check_status": (C.c_int8, [_vp]),
     "ucp_request_free": (None, [_vp]),
+    "ucp_get_version": (None, [C.POINTER(C.c_uint)] * 3),
 }
 
 
 @functools.cache
-def _libs() -> tuple[C.CDLL, C.CDLL]:
-    """(libucp, libucs) of the ``libucx`` wheel, typed; NotSupportedError (an ImportError) if it is missing."""
+def _libs() -> tuple[C.CDLL, tuple[int, int, int]]:
+    """libucp, typed (``ucs_status_string`` is found through it, in its libucs), and its version; ImportError if
+    neither a loaded libucp nor the ``libucx`` wheel is there, or the loaded one is too old."""
+    ucp = _chosen_libucp()
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(ucp, name)
+        function.restype, function.argtypes = restype, argtypes
+    ucp.ucs_status_string.restype, ucp.ucs_status_string.argtypes = C.c_char_p, [C.c_int]
+    parts = [C.c_uint() for _ in range(3)]
+    ucp.ucp_get_version(*(C.byref(part) for part in parts))
+    version = (parts[0].value, parts[1].value, parts[2].value)
+    if version[:2] < MIN_VERSION:
+        raise ImportError(f"the UCX agent needs libucp {MIN_VERSION[0]}.{MIN_VERSION[1]} or later; loaded: {version}")
+    return ucp, version
+
+
+def _chosen_libucp() -> C.CDLL:
+    if path := os.environ.get(LIBRARY_ENV):
+        try:
+            return C.CDLL(path, mode=C.RTLD_LOCAL)
+        except OSError as exc:
+            raise ImportError(f"{LIBRARY_ENV}={path} cannot be loaded: {exc}") from exc
+    try:
+        return C.CDLL("libucp.so.0", mode=C.RTLD_LOCAL | _RTLD_NOLOAD)  # already in the process (MPI's)
+    except OSError:
+        pass
     try:
         import libucx
     except ImportError as exc:
         raise ImportError(f"the UCX agent needs the libucx-cu12 wheel (pip install libucx-cu12): {exc}") from exc
-    ucs, _, _, ucp = libucx.load_library()  # libucs, libucs_signal, libuct, libucp
-    if ucp is None or ucs is None:
-        raise ImportError("libucx.load_library() found no libucp/libucs (neither in the wheel nor on the system)")
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(ucp, name)
-        function.restype, function.argtypes = restype, argtypes
-    ucs.ucs_status_string.restype, ucs.ucs_status_string.argtypes = C.c_char_p, [C.c_int]
-    return ucp, ucs
+    ucp = libucx.load_library()[-1]  # libucs, libucs_signal, libuct, libucp
+    if ucp is None:
+        raise ImportError("libucx.load_library() found no libucp, neither in the wheel nor on the system")
+    return ucp
 
 
 def _ucp() -> C.CDLL:
     return _libs()[0]
 
 
+def version() -> tuple[int, int, int]:
+    """The libucp in use (major, minor, release)."""
+    return _libs()[1]
+
+
 def status_string(status: int) -> str:
-    return (_libs()[1].ucs_status_string(status) or b"unknown status").decode()
+    return (_ucp().ucs_status_string(status) or b"unknown status").decode()
 
 
 def _check(status: int, what: str) -> None:
@@ -167,7 +209,8 @@ class Context:
         params = _Params(field_mask=1, features=FEATURE_RMA | FEATURE_AM | FEATURE_WAKEUP)
         handle = _vp()
         try:
-            _check(ucp.ucp_init_version(API_MAJOR, API_MINOR, params, config, C.byref(handle)), "initialize")
+            major, minor, _ = version()  # the API this binding speaks is the loaded library's own
+            _check(ucp.ucp_init_version(major, minor, params, config, C.byref(handle)), "initialize")
         finally:
             ucp.ucp_config_release(config)
         self.handle: int = handle.value

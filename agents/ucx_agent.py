@@ -55,7 +55,7 @@ from nixl_kv.layout import MemoryKind, MemoryRegion
 log = logging.getLogger(__name__)
 
 _FORMAT = "nixl_kv.ucx/1"
-_FIELDS = {"format", "agent", "address", "regions"}
+_FIELDS = {"format", "agent", "ucx", "address", "regions"}
 _MAX_METADATA_BYTES = 1 << 20
 _MAX_REGIONS = 4096
 _MAX_KEY_BYTES = 4096
@@ -81,12 +81,14 @@ class UcxMetadata:
     """What a peer needs to reach an agent: its name, its worker address and its readable regions."""
 
     agent: str
+    ucx: tuple[int, int]  # the (major, minor) version of the agent's libucp: peers must run the same
     address: bytes
     regions: tuple[RemoteRegion, ...]
 
     def encode(self) -> bytes:
         regions = [[r.address, r.nbytes, r.rkey] for r in self.regions]
-        return msgpack.packb({"format": _FORMAT, "agent": self.agent, "address": self.address, "regions": regions})
+        fields = {"format": _FORMAT, "agent": self.agent, "ucx": list(self.ucx), "address": self.address}
+        return msgpack.packb({**fields, "regions": regions})
 
     @staticmethod
     def decode(data: bytes) -> UcxMetadata:
@@ -99,14 +101,16 @@ class UcxMetadata:
             raise AgentError(f"UCX metadata is not valid msgpack: {type(exc).__name__}: {exc}") from exc
         if not isinstance(fields, dict) or set(fields) != _FIELDS or fields["format"] != _FORMAT:
             raise AgentError(f"UCX metadata is not a {_FORMAT} map")
-        agent, address, regions = fields["agent"], fields["address"], fields["regions"]
+        agent, ucx, address, regions = fields["agent"], fields["ucx"], fields["address"], fields["regions"]
         if not isinstance(agent, str) or not agent:
             raise AgentError("UCX metadata: agent must be a non-empty string")
+        if not (isinstance(ucx, list) and len(ucx) == 2 and all(type(n) is int and 0 <= n < 1 << 16 for n in ucx)):
+            raise AgentError("UCX metadata: ucx must be [major, minor]")
         if not isinstance(address, bytes) or not address:
             raise AgentError("UCX metadata: address must be non-empty bytes")
         if not isinstance(regions, list) or len(regions) > _MAX_REGIONS:
             raise AgentError(f"UCX metadata: regions must be a list of at most {_MAX_REGIONS}")
-        return UcxMetadata(agent, address, tuple(_remote_region(region) for region in regions))
+        return UcxMetadata(agent, (ucx[0], ucx[1]), address, tuple(_remote_region(region) for region in regions))
 
 
 def _remote_region(entry: object) -> RemoteRegion:
@@ -217,7 +221,7 @@ class UcxAgent(TransferAgent):
 
     def metadata(self) -> bytes:
         regions = tuple(RemoteRegion(r.address, r.nbytes, r.rkey) for r in self._registrations)
-        return UcxMetadata(self.name, self._address, regions).encode()
+        return UcxMetadata(self.name, ucp.version()[:2], self._address, regions).encode()
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -237,6 +241,11 @@ class UcxAgent(TransferAgent):
         described = UcxMetadata.decode(metadata)
         if described.agent != name:
             raise AgentError(f"metadata given for agent {name!r} describes agent {described.agent!r}")
+        if described.ucx != (mine := ucp.version()[:2]):
+            raise AgentError(
+                f"agent {name!r} runs UCX {described.ucx[0]}.{described.ucx[1]}, this one {mine[0]}.{mine[1]}: UCX"
+                f" peers must run one version (set {ucp.LIBRARY_ENV} to the same libucp in every process)"
+            )
         with self._lock:
             self._check_open(f"load agent {name}")
             loaded = self._peers.get(name)
