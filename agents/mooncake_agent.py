@@ -50,8 +50,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from nixl_kv.agents.rows import expand, picked, region_of, repeats
-from nixl_kv.agents.rows import table as rows_table
+from nixl_kv.agents import descriptors as descriptors_module
+from nixl_kv.agents.descriptors import inside, repeats
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -201,7 +201,7 @@ class MooncakeAgent(TransferAgent):
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"prepare descriptors of {owner or 'local memory'}"
         self._check_memory(memory)
-        addresses, lengths, rows = expand(descriptors, f"Mooncake could not {what}")
+        addresses, lengths, rows = _expand(descriptors, what)
         if owner is None:
             self._check_local(addresses, lengths, what)
         else:
@@ -223,10 +223,7 @@ class MooncakeAgent(TransferAgent):
     ) -> Any:
         if local.owner is not None or remote.owner is None:
             raise AgentError("Mooncake could not create READ: needs a local and a remote descriptor list")
-        local_at, remote_at = (
-            picked(indices, len(prepared.addresses), "Mooncake could not create READ")
-            for indices, prepared in ((local_indices, local), (remote_indices, remote))
-        )
+        local_at, remote_at = _indices(local_indices, local), _indices(remote_indices, remote)
         batch = _batch(
             (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
             (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
@@ -352,7 +349,7 @@ class MooncakeAgent(TransferAgent):
 
     def _check_local(self, addresses: np.ndarray, lengths: np.ndarray, what: str) -> None:
         """Every entry inside one registered region (the TCP client would copy into any address)."""
-        outside = np.flatnonzero(region_of(addresses, lengths, self._registrations) < 0)
+        outside = np.flatnonzero(~inside(addresses, lengths, self._registrations))
         if len(outside):
             first = int(outside[0])
             raise AgentError(
@@ -374,12 +371,6 @@ class MooncakeAgent(TransferAgent):
             raise AgentError(f"Mooncake could not {what}: {method} returned {code}")
 
 
-def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Nx3 rows as (addresses, lengths, row ids): every row is a range of its own (never merged)."""
-    table = rows_table(rows, (3,), "Mooncake could not describe ranges")
-    return table[:, 0], table[:, 1], np.arange(len(table))
-
-
 def _queued_per_peer() -> int:
     """The TCP transport's queue of entries per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024 unless set)."""
     try:
@@ -395,6 +386,34 @@ def _by_location(regions: Sequence[MemoryRegion]) -> dict[str, list[MemoryRegion
         location = "*" if region.memory is MemoryKind.DRAM else f"cuda:{region.device_id}"
         groups.setdefault(location, []).append(region)
     return groups
+
+
+def _table(descriptors: np.ndarray, width: tuple[int, ...], what: str) -> np.ndarray:
+    try:
+        return descriptors_module.table(descriptors, width)
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
+
+
+def _expand(descriptors: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows as one entry per unit."""
+    try:
+        return descriptors_module.expand(descriptors)
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
+
+
+def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nx3 rows as (addresses, lengths, row ids): every row is a range of its own (never merged)."""
+    table = _table(rows, (3,), "describe ranges")
+    return table[:, 0], table[:, 1], np.arange(len(table))
+
+
+def _indices(indices: np.ndarray, prepared: MooncakePrepared) -> np.ndarray:
+    try:
+        return descriptors_module.picked(indices, len(prepared.addresses))
+    except ValueError as exc:
+        raise AgentError(f"Mooncake could not create READ: {exc}") from exc
 
 
 def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Batch:

@@ -50,6 +50,15 @@ class MpiComm:
             comm = MPI.COMM_WORLD
         self._comm = comm
 
+    @classmethod
+    def of_application(cls) -> MpiComm:
+        """This application's ranks in an MPMD job (``mpiexec -n A prog : -n B prog``): COMM_WORLD split by appnum."""
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        application = world.Get_attr(MPI.APPNUM)
+        return cls(world.Split(0 if application is None else application, world.Get_rank()))
+
     @property
     def rank(self) -> int:
         return self._comm.Get_rank()

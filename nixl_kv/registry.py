@@ -36,6 +36,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     AGENT_GROUP: {
         "NIXL": "nixl_kv.agents.nixl_agent:NixlAgent",
         "MOONCAKE": "nixl_kv.agents.mooncake_agent:MooncakeAgent",
+        "MPI": "nixl_kv.agents.mpi_agent:MpiAgent",
     },
     FORMATTER_GROUP: {
         "default": "nixl_kv.formatters.standard:StandardFormatter",

@@ -157,7 +157,7 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
     with pytest.raises(NotSupportedError) as caught:
         registry.agent_class("NO_SUCH_AGENT")
     version = importlib.metadata.version("nixl-kv")
-    installed = f"MOONCAKE (nixl-kv {version}), NIXL (nixl-kv {version})"
+    installed = f"MOONCAKE (nixl-kv {version}), MPI (nixl-kv {version}), NIXL (nixl-kv {version})"
     assert (
         f"no transfer agent named 'NO_SUCH_AGENT'; installed (entry point group 'nixl_kv.agents'): {installed}"
         in str(caught.value)
@@ -171,7 +171,7 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
 def test_run_time_registration_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(registry._REGISTERED, registry.AGENT_GROUP, {"NIXL": "json:JSONDecoder", "MINE": "json:dumps"})
     assert registry.agent_class("NIXL") is json.JSONDecoder and registry.agent_class("MINE") is json.dumps
-    assert registry.agent_names() == ["MINE", "MOONCAKE", "NIXL"]
+    assert registry.agent_names() == ["MINE", "MOONCAKE", "MPI", "NIXL"]
     nixl_kv.register_formatter("other", "json:loads")
     try:
         assert registry.formatter_class("other") is json.loads
@@ -317,7 +317,8 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
     out = _python(str(tmp_path / "check.py"), cwd=tmp_path, python=python)
     assert "verified" in out and "agents: 3" in out, out
     version = importlib.metadata.version("nixl-kv")
-    listed = f"LOOPBACK (kv-loopback-plugin 1.0), MOONCAKE (nixl-kv {version}), NIXL (nixl-kv {version})"
+    listed = f"LOOPBACK (kv-loopback-plugin 1.0), MOONCAKE (nixl-kv {version}), MPI (nixl-kv {version}), "
+    listed += f"NIXL (nixl-kv {version})"
     assert f"unknown: no transfer agent named 'NOPE'; installed (entry point group 'nixl_kv.agents'): {listed}" in out
     # and the project venv itself never saw it
     with pytest.raises(NotSupportedError, match="no transfer agent named 'LOOPBACK'"):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from nixl_kv.harness.pair import PairReport, RequestResult, percentile
+from nixl_kv.registry import agent_names
 
 
 def _pair(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
@@ -195,3 +196,33 @@ def test_an_unknown_backend_is_refused_with_the_installed_ones() -> None:
     result = _pair("--backend", "carrier-pigeon", "--requests", "1")
     assert result.returncode == 2
     assert "no transfer agent named 'CARRIER-PIGEON'" in result.stderr and "MOONCAKE" in result.stderr
+
+
+needs_mpi_agent = pytest.mark.skipif(
+    "MPI" not in agent_names(),
+    reason="the MPI agent is not declared yet: pyproject.toml's nixl_kv.agents entry point MPI (then pip install -e .)",
+)
+
+
+@pytest.mark.mpi
+@needs_mpi_agent
+@pytest.mark.parametrize(("ctx", "gen"), [("tp=1", "tp=1"), ("tp=2", "tp=1")])
+def test_the_mpi_backend_runs_both_instances_as_one_mpi_job(ctx: str, gen: str) -> None:
+    """Both instances are the two applications of one mpiexec job, talking to the router through named pipes."""
+    common = ["--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
+    result = _pair(
+        *common, "--backend", "mpi", "--ctx", ctx, "--gen", gen, "--requests", "40,300", "--rounds", "2", "--json"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["backend"] == "MPI" and summary["verified"] == summary["requests"] == 4
+    assert summary["mismatched_elements"] == 0 and summary["raw_read_gbps"] > 0
+    assert summary["leaks"] == {"ctx": {}, "gen": {}}
+    assert "raw MPI READ of the same bytes" in result.stdout
+
+
+@needs_mpi_agent
+def test_the_mpi_backend_refuses_a_ctx_fault() -> None:
+    """Both instances are one MPI job, which mpiexec ends as a whole when a rank dies."""
+    result = _pair("--backend", "mpi", "--requests", "1", "--rounds", "3", "--ctx-fault", "kill")
+    assert result.returncode == 2 and "one MPI job" in result.stderr

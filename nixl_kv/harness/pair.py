@@ -8,25 +8,35 @@ worker has a deadline; a worker that dies or stalls ends the run with an error, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import queue
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import IO, Any
 
 from nixl_kv.comm import mpiexec_path
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.harness import faults
-from nixl_kv.harness.pair_worker import InstanceSpec, RnnSpec, spec_json
+from nixl_kv.harness.pair_worker import (
+    CHANNEL_ENV,
+    MPI_JOB_ENVIRONMENT,
+    SHARED_WORLD_BACKENDS,
+    InstanceSpec,
+    RnnSpec,
+    spec_json,
+)
 from nixl_kv.rnn import check_split
 from nixl_kv.state import ConvSectionLayout
 from nixl_kv.topology import head_duplication
@@ -248,43 +258,53 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 
 class Worker:
-    """A ctx or gen process; replies are read by a thread so every wait can have a deadline."""
+    """A ctx or gen instance: replies are read by a thread so every wait can have a deadline.
 
-    def __init__(self, role: str, spec: InstanceSpec, netns: str = "") -> None:
+    Its rank 0 takes commands on the process's stdin and answers on its stdout, or, where both instances run as one
+    MPI job (``fifos``, see ``launch``), on the two named pipes of its role in that folder: a job's stdin reaches one
+    rank only, and all its ranks share one stdout."""
+
+    def __init__(self, role: str, process: subprocess.Popen[str], fifos: str = "") -> None:
         self.role = role
         self.ready_rss_kb = 0
-        command = [sys.executable, "-m", "nixl_kv.harness.pair_worker", role, spec_json(spec)]
-        if spec.world_size > 1:
-            command = [mpiexec_path(), "-n", str(spec.world_size), *command]
-        if netns:
-            command = ["ip", "netns", "exec", netns, *command]
-        self.process = subprocess.Popen(  # its own process group: a fault signals every process of the instance
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        self.process = process
+        self._fifos = fifos
+        self._commands: IO[str] | None = None if fifos else process.stdin
+        self._quit = False
         self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                self.replies.put(json.loads(line))
+        """Until the instance closes its replies (or exits). A named pipe opens once the instance opened its end."""
+        stream = open(self._fifo("replies")) if self._fifos else self.process.stdout  # noqa: SIM115 - closed below
+        assert stream is not None
+        with stream:
+            for line in stream:
+                if line.startswith("{"):
+                    self.replies.put(json.loads(line))
         self.replies.put(None)
 
+    def _fifo(self, what: str) -> str:
+        return os.path.join(self._fifos, f"{self.role}.{what}")
+
     def send(self, **command: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
+        if self._commands is None:
+            self._commands = _open_fifo_for_writing(self._fifo("commands"), WORKER_START_S)
+        self._commands.write(json.dumps(command) + "\n")
+        self._commands.flush()
 
     def expect(self, op: str, timeout_s: float) -> dict[str, Any]:
-        try:
-            reply = self.replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"{self.role} instance gave no {op!r} within {timeout_s:.0f} s") from None
+        deadline = time.monotonic() + timeout_s
+        while True:  # in slices: an instance of a job that died before it opened its replies sends no end
+            try:
+                reply = self.replies.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                if self.process.poll() is not None and self.replies.empty():
+                    reply = None
+                    break
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{self.role} instance gave no {op!r} within {timeout_s:.0f} s") from None
         if reply is None:
             raise RuntimeError(f"{self.role} instance exited (code {self.process.poll()}) while we waited for {op!r}")
         if reply.get("op") != op:
@@ -296,10 +316,18 @@ class Worker:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, number)
 
+    def quit(self) -> None:
+        """Ask the instance to quit (at most once); ``stop`` collects its goodbye. Every instance of a run is asked
+        before any is waited for: the two instances of one MPI job end together."""
+        if not self._quit:
+            self._quit = True
+            with contextlib.suppress(OSError, RuntimeError):
+                self.send(op="quit")
+
     def stop(self) -> dict[str, Any]:
         """Quit; returns the instance's goodbye (its leaks and resident memory), empty if it had to be killed."""
         try:
-            self.send(op="quit")
+            self.quit()
             bye = self.expect("bye", 30)
             self.process.wait(timeout=30)
             return bye
@@ -307,6 +335,56 @@ class Worker:
             self.process.kill()
             self.process.wait()
             return {}
+        finally:
+            if self._fifos:  # open ends stay usable; the folder goes
+                shutil.rmtree(self._fifos, ignore_errors=True)
+
+
+def _open_fifo_for_writing(path: str, timeout_s: float) -> IO[str]:
+    """Open a named pipe for writing once its reader has (never blocking without a deadline); then a write to a pipe
+    whose reader exited fails (EPIPE), as on a process's stdin."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise RuntimeError(f"cannot open {path} for writing: {exc}") from exc
+            time.sleep(0.01)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "w")
+
+
+def _worker_command(role: str, spec: InstanceSpec) -> list[str]:
+    """One instance's ranks: ``-n <ranks> python -m nixl_kv.harness.pair_worker <role> <spec>``."""
+    return ["-n", str(spec.world_size), sys.executable, "-m", "nixl_kv.harness.pair_worker", role, spec_json(spec)]
+
+
+def launch(ctx_spec: InstanceSpec, gen_spec: InstanceSpec, ctx_netns: str = "", gen_netns: str = "") -> list[Worker]:
+    """The ctx and the gen instance. Each is a process of its own (an mpiexec job when it has several ranks), or,
+    when their transfer agents must share one MPI world (``SHARED_WORLD_BACKENDS``: MPI), both are the two
+    applications of one MPMD mpiexec job, each talking through named pipes in a temporary folder.
+    Each process gets its own process group: a fault signals every process of the instance."""
+    if ctx_spec.backend not in SHARED_WORLD_BACKENDS:
+        workers = []
+        for role, spec, netns in (("ctx", ctx_spec, ctx_netns), ("gen", gen_spec, gen_netns)):
+            command = _worker_command(role, spec)
+            command = [mpiexec_path(), *command] if spec.world_size > 1 else command[2:]
+            command = ["ip", "netns", "exec", netns, *command] if netns else command
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+            workers.append(Worker(role, subprocess.Popen(command, text=True, start_new_session=True, **pipes)))
+        return workers
+    if ctx_netns or gen_netns:
+        raise NotSupportedError(f"{ctx_spec.backend}: both instances run in one MPI job, not in network namespaces")
+    fifos = tempfile.mkdtemp(prefix="nixl-kv-pair-")
+    for role in ("ctx", "gen"):
+        for what in ("commands", "replies"):
+            os.mkfifo(os.path.join(fifos, f"{role}.{what}"))
+    command = [mpiexec_path(), *_worker_command("ctx", ctx_spec), ":", *_worker_command("gen", gen_spec)]
+    environment = {**MPI_JOB_ENVIRONMENT, **os.environ, CHANNEL_ENV: fifos}
+    job = subprocess.Popen(command, text=True, stdout=sys.stderr, env=environment, start_new_session=True)
+    return [Worker("ctx", job, fifos), Worker("gen", job, fifos)]
 
 
 def _rounds_held(round_bytes: int) -> int:
@@ -334,7 +412,11 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     elif options.placement != "default":
         raise ValueError(f"bad placement {options.placement!r}: one of {', '.join(PLACEMENTS)}")
     report = PairReport(backend=options.model.backend)
-    ctx, gen = Worker("ctx", ctx_spec, options.ctx_netns), Worker("gen", gen_spec, options.gen_netns)
+    if options.ctx_fault and ctx_spec.backend in SHARED_WORLD_BACKENDS:
+        raise NotSupportedError(
+            f"--ctx-fault with {ctx_spec.backend}: both instances are one MPI job, which mpiexec ends when a rank dies"
+        )
+    ctx, gen = launch(ctx_spec, gen_spec, options.ctx_netns, options.gen_netns)
     try:
         ctx_ready = ctx.expect("ready", WORKER_START_S)
         gen_ready = gen.expect("ready", WORKER_START_S)
@@ -354,6 +436,8 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
         block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
     finally:
+        for worker in (ctx, gen):
+            worker.quit()
         for worker in (ctx, gen):
             bye = worker.stop()
             report.leaks[worker.role] = {name: count for name, count in bye.get("live", {}).items() if count}

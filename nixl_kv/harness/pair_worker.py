@@ -13,19 +13,20 @@ import base64
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 from nixl_kv.cache import PagedKVCache
 from nixl_kv.comm import CacheTransceiverComm, MpiComm, SingleProcessComm
-from nixl_kv.config import CacheTransceiverConfig
+from nixl_kv.config import ENV_PREFIX, CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import BufferExhaustedError
 from nixl_kv.harness import faults as faults_module
@@ -104,7 +105,6 @@ class InstanceSpec:
     num_slots: int = 1  # Mamba state slots per rank (requests in flight)
     backend: str = "NIXL"  # the transfer agent (registry name), for the transceivers and the raw READ baseline
     busy_thread: bool = False  # every rank runs a pure-Python CPU-bound thread, as a server's model loop holds the GIL
-    backend: str = "NIXL"  # the transfer agent (a registry name): the transceivers' and the raw READ baseline's
 
     @classmethod
     def from_json(cls, text: str) -> InstanceSpec:
@@ -222,9 +222,41 @@ def _tokens(where: Slice) -> range:
     return range(where.token_start, where.token_start + where.num_tokens)
 
 
+CHANNEL_ENV = f"{ENV_PREFIX}PAIR_CHANNEL"
+# Transfer agents whose two instances must share one MPI world: ``nixl-kv pair`` runs both in one MPMD mpiexec job.
+SHARED_WORLD_BACKENDS = ("MPI",)
+# That job's environment unless the user set it: MPICH's progress thread serves the MPI agent's READs while the
+# target's Python is busy (agents/mpi_agent.py: progress).
+MPI_JOB_ENVIRONMENT = {"MPIR_CVAR_ASYNC_PROGRESS": "1"}
+
+
+class Channel:
+    """Where rank 0 of an instance takes commands and answers the router: stdin and stdout, or, when both instances
+    run in one MPI job (``CHANNEL_ENV`` names a folder), the named pipes ``<role>.commands`` and ``<role>.replies``
+    there. The replies pipe opens first (the router's reader is waiting); the commands pipe at the first command,
+    after ``ready``, once the router has a command to write."""
+
+    def __init__(self, role: str = "") -> None:
+        folder = os.environ.get(CHANNEL_ENV, "") if role else ""
+        self._commands_path = os.path.join(folder, f"{role}.commands") if folder else ""
+        self._commands: TextIO | None = None if folder else sys.stdin
+        self._replies: TextIO = open(os.path.join(folder, f"{role}.replies"), "w") if folder else sys.stdout  # noqa: SIM115
+
+    def command(self) -> dict[str, Any]:
+        if self._commands is None:
+            self._commands = open(self._commands_path)  # noqa: SIM115 - read until the process ends
+        return json.loads(self._commands.readline() or '{"op": "quit"}')
+
+    def emit(self, reply: dict[str, Any]) -> None:
+        self._replies.write(json.dumps(reply) + "\n")
+        self._replies.flush()
+
+
+_channel = Channel()
+
+
 def emit(**reply: Any) -> None:
-    sys.stdout.write(json.dumps(reply) + "\n")
-    sys.stdout.flush()
+    _channel.emit(reply)
 
 
 class Instance:
@@ -570,7 +602,7 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
         emit(op="ready", ranks=comm.size, state=base64.b64encode(state).decode(), rss_kb=_rss_kb())
     try:
         while True:
-            command = comm.bcast(json.loads(sys.stdin.readline() or '{"op": "quit"}') if lead else None)
+            command = comm.bcast(_channel.command() if lead else None)
             op = command["op"]
             if op == "send":
                 params = comm.allgather(instance.send(command["requests"]))
@@ -643,11 +675,18 @@ def main() -> None:
     parser.add_argument("spec", help="InstanceSpec as JSON")
     args = parser.parse_args()
     spec = InstanceSpec.from_json(args.spec)
-    comm: CacheTransceiverComm = MpiComm() if spec.world_size > 1 else SingleProcessComm()
+    comm: CacheTransceiverComm = SingleProcessComm()
+    if spec.backend in SHARED_WORLD_BACKENDS:  # one MPMD job: this instance is this application's ranks
+        comm = MpiComm.of_application()
+    elif spec.world_size > 1:
+        comm = MpiComm()
     logging.basicConfig(level=logging.WARNING, format=f"[{args.role}{comm.rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nixl").setLevel(logging.WARNING)
     if comm.size != spec.world_size:
         raise SystemExit(f"{args.role}: {comm.size} MPI ranks for tp*pp*cp = {spec.world_size}")
+    global _channel
+    if comm.rank == 0:
+        _channel = Channel(args.role)
     serve(args.role, spec, comm)
 
 
