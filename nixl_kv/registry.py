@@ -37,6 +37,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "NIXL": "nixl_kv.agents.nixl_agent:NixlAgent",
         "MOONCAKE": "nixl_kv.agents.mooncake_agent:MooncakeAgent",
         "MPI": "nixl_kv.agents.mpi_agent:MpiAgent",
+        "UCX": "nixl_kv.agents.ucx_agent:UcxAgent",
     },
     FORMATTER_GROUP: {
         "default": "nixl_kv.formatters.standard:StandardFormatter",

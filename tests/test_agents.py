@@ -44,6 +44,7 @@ AGENTS = {
         AgentKind("NIXL", "nixl_kv.agents.nixl_agent:NixlAgent", "nixl"),
         AgentKind("MOONCAKE", "nixl_kv.agents.mooncake_agent:MooncakeAgent", "mooncake.engine"),
         AgentKind("MPI", "nixl_kv.agents.mpi_agent:MpiAgent", "mpi4py"),
+        AgentKind("UCX", "nixl_kv.agents.ucx_agent:UcxAgent", "libucx"),
     )
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -504,3 +505,85 @@ def test_mpi_read_from_a_dead_rank_fails_within_a_deadline(tmp_path: Path) -> No
         "released_after_death": False,
     }
     assert 2.0 <= seconds < 10.0
+
+
+def _ucx_agent(name: str, **options: Any) -> TransferAgent:
+    return _agent_class(AGENTS["UCX"])(name, **options)
+
+
+def test_ucx_refuses_vram_and_keeps_its_metadata_small() -> None:
+    """DRAM only (NotSupportedError for VRAM, before anything is mapped); the metadata, carried inline in the
+    CommState, stays small with several regions."""
+    agent = _ucx_agent("ucx-small")
+    arrays = [_pattern(SEGMENT, seed) for seed in range(8)]
+    try:
+        with pytest.raises(NotSupportedError, match="VRAM"):
+            agent.register([MemoryRegion(1 << 40, 4096, 0, MemoryKind.VRAM)])
+        with pytest.raises(NotSupportedError, match="VRAM"):
+            agent.prepare(None, np.array([[1 << 40, 4096, 0]], dtype=np.uint64), MemoryKind.VRAM)
+        assert agent.live_handles["registrations"] == 0
+        agent.register([_region(array) for array in arrays])
+        assert agent.live_handles["registrations"] == 8
+        assert len(agent.metadata()) < 2048
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("kind", [AGENTS["UCX"]], ids=["UCX"])
+def test_ucx_target_that_never_calls_its_agent_is_read(make: Factory) -> None:
+    """GETs over TCP need the target's worker to progress: the agent's own thread does it while the ctx side's
+    threads are busy elsewhere (here only the reader is ever called)."""
+    ctx, gen = make("silent-ctx"), make("silent-gen")
+    source, target = _pattern(16 << 20, 8), np.zeros(16 << 20, dtype=np.uint8)
+    ctx.register([_region(source)])
+    gen.register([_region(target)])
+    gen.load_remote(ctx.metadata(), ctx.name)
+    local = gen.prepare(None, _strided(target, 1 << 20), MemoryKind.DRAM)
+    remote = gen.prepare(ctx.name, _strided(source, 1 << 20), MemoryKind.DRAM)
+    order = np.random.default_rng(9).permutation(16)
+    transfer = gen.read(local, order, remote, order, b"")
+    deadline = time.monotonic() + DEADLINE_S
+    while (status := gen.status(transfer)) is TransferStatus.IN_PROGRESS and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert status is TransferStatus.DONE and gen.release_transfer(transfer)
+    assert np.array_equal(target, source)
+
+
+def test_ucx_stopped_peer_fails_at_the_deadline_and_stays_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped peer (SIGSTOP) keeps its TCP connection up, so UCX alone would wait forever: the READ fails at the
+    agent's deadline, its endpoint is force-closed (the GETs end, so the handle is released), and later READs from
+    that peer are refused at once, while a list prepared before ``forget_remote`` is refused too."""
+    _agent_class(AGENTS["UCX"])
+    monkeypatch.setenv("NIXL_KV_UCX_TIMEOUT_S", "1")
+    nbytes = 16 * SEGMENT
+    peer = PeerProcess.start(AGENTS["UCX"], "stopped-peer", nbytes, tmp_path / "peer.log")
+    gen = _ucx_agent("stopped-gen")
+    try:
+        target = np.zeros(nbytes, dtype=np.uint8)
+        gen.register([_region(target)])
+        gen.load_remote(peer.metadata, "stopped-peer")
+        local = gen.prepare(None, _strided(target), MemoryKind.DRAM)
+        rows = np.array([[peer.address, SEGMENT, 0, SEGMENT, nbytes // SEGMENT]], dtype=np.uint64)
+        remote = gen.prepare("stopped-peer", rows, MemoryKind.DRAM)
+        peer.process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        transfer = gen.read(local, np.arange(16), remote, np.arange(16), b"never")
+        assert Inbox([gen]).wait(gen, transfer, timeout_s=DEADLINE_S) is TransferStatus.FAILED
+        assert 1.0 <= time.monotonic() - started < 5.0
+        assert Inbox([gen]).wait(gen, transfer, timeout_s=0.0) is TransferStatus.FAILED
+        deadline = time.monotonic() + DEADLINE_S
+        while not gen.release_transfer(transfer) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gen.live_handles["transfers"] == 0
+        with pytest.raises(AgentError, match="failed"):
+            gen.read(local, np.arange(16), remote, np.arange(16), b"")
+        gen.forget_remote("stopped-peer")
+        gen.load_remote(peer.metadata, "stopped-peer")
+        with pytest.raises(AgentError, match="forgotten or reloaded"):
+            gen.read(local, np.arange(16), remote, np.arange(16), b"")
+    finally:
+        peer.kill()
+        gen.close()
+    assert gen.live_handles == {"transfers": 0, "prepared": 0, "remotes": 0, "registrations": 0}

@@ -157,7 +157,7 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
     with pytest.raises(NotSupportedError) as caught:
         registry.agent_class("NO_SUCH_AGENT")
     version = importlib.metadata.version("nixl-kv")
-    installed = f"MOONCAKE (nixl-kv {version}), MPI (nixl-kv {version}), NIXL (nixl-kv {version})"
+    installed = ", ".join(f"{name} (nixl-kv {version})" for name in ("MOONCAKE", "MPI", "NIXL", "UCX"))
     assert (
         f"no transfer agent named 'NO_SUCH_AGENT'; installed (entry point group 'nixl_kv.agents'): {installed}"
         in str(caught.value)
@@ -171,7 +171,7 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
 def test_run_time_registration_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(registry._REGISTERED, registry.AGENT_GROUP, {"NIXL": "json:JSONDecoder", "MINE": "json:dumps"})
     assert registry.agent_class("NIXL") is json.JSONDecoder and registry.agent_class("MINE") is json.dumps
-    assert registry.agent_names() == ["MINE", "MOONCAKE", "MPI", "NIXL"]
+    assert registry.agent_names() == ["MINE", "MOONCAKE", "MPI", "NIXL", "UCX"]
     nixl_kv.register_formatter("other", "json:loads")
     try:
         assert registry.formatter_class("other") is json.loads
@@ -318,7 +318,7 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
     assert "verified" in out and "agents: 3" in out, out
     version = importlib.metadata.version("nixl-kv")
     listed = f"LOOPBACK (kv-loopback-plugin 1.0), MOONCAKE (nixl-kv {version}), MPI (nixl-kv {version}), "
-    listed += f"NIXL (nixl-kv {version})"
+    listed += f"NIXL (nixl-kv {version}), UCX (nixl-kv {version})"
     assert f"unknown: no transfer agent named 'NOPE'; installed (entry point group 'nixl_kv.agents'): {listed}" in out
     # and the project venv itself never saw it
     with pytest.raises(NotSupportedError, match="no transfer agent named 'LOOPBACK'"):
@@ -328,8 +328,8 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
 # --- dependencies ----------------------------------------------------------------------------------------------
 # Third-party modules imported only where optional: cupy for VRAM pools (the gpu-cu12/gpu-cu13 extras), torch for
 # the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch), mooncake for its agent (the
-# mooncake extra).
-OPTIONAL = {"cupy", "torch", "mooncake"}
+# mooncake extra), libucx for the UCX agent where the mpich wheel is absent (the ucx extra).
+OPTIONAL = {"cupy", "torch", "mooncake", "libucx"}
 REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
 
 
@@ -353,7 +353,9 @@ def test_every_import_is_a_declared_dependency() -> None:
     third_party = imported - set(sys.stdlib_module_names) - {"nixl_kv"}
     serving = _third_party_imports((ROOT / "nixl_kv" / "serving").rglob("*.py"))
     assert third_party - OPTIONAL - (serving - REQUIRED_IMPORTS) == REQUIRED_IMPORTS == declared
-    assert all(extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13", "serve", "mooncake"))
+    assert all(
+        extra in project["optional-dependencies"] for extra in ("gpu-cu12", "gpu-cu13", "serve", "mooncake", "ucx")
+    )
     serve_extra = {re.split(r"[=<>!~ ;\[]", dependency)[0] for dependency in project["optional-dependencies"]["serve"]}
     assert serving - REQUIRED_IMPORTS <= serve_extra  # the servers' imports come with `pip install nixl-kv[serve]`
     for dependency in project["dependencies"]:  # a floor (or a pin) on every one

@@ -187,7 +187,7 @@ BACKEND_GRID = [  # a sample of tests/test_multirank.py's pairings: the same lay
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ctx", "gen"), BACKEND_GRID)
-@pytest.mark.parametrize("backend", ["mooncake", "mpi"])
+@pytest.mark.parametrize("backend", ["mooncake", "mpi", "ucx"])
 def test_every_backend_moves_a_sample_of_the_pairing_grid_beside_its_own_raw_read(
     backend: str, ctx: str, gen: str
 ) -> None:
