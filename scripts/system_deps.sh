@@ -4,7 +4,7 @@
 # libraries but no RDMA device (they crash nixl 1.5.1's UCX at exit).
 missing=()
 for lib in libibverbs.so.1 librdmacm.so.1; do
-  ldconfig -p | grep -q "$lib" || missing+=("$lib")
+  ldconfig -p | grep -F "$lib" >/dev/null || missing+=("$lib")  # not -q: an early exit fails the pipe (pipefail)
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
