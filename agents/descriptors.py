@@ -1,10 +1,23 @@
 """Descriptor rows as flat entries, for agents whose transport takes (address, length) lists rather than NIXL's
-prepared lists: the Mooncake and MPI agents. Pure numpy; a bad table raises ValueError, which each agent turns
-into its AgentError."""
+prepared lists: the Mooncake, MPI and UCX agents. Pure numpy; a bad table raises ValueError, which ``checked``
+turns into the agent's AgentError."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import numpy as np
+
+from nixl_kv.errors import AgentError
+
+
+def checked(function: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``function(*args)`` (a helper of this module), its ValueError as the AgentError ``what: reason``."""
+    try:
+        return function(*args)
+    except ValueError as exc:
+        raise AgentError(f"{what}: {exc}") from None
 
 
 def table(descriptors: np.ndarray, width: tuple[int, ...]) -> np.ndarray:
@@ -36,13 +49,43 @@ def repeats(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return item, position.astype(np.uint64)
 
 
-def inside(addresses: np.ndarray, lengths: np.ndarray, regions: list[tuple[int, int]]) -> np.ndarray:
-    """Whether each entry lies inside one of the (sorted, disjoint) (address, nbytes) regions."""
-    if not regions:
-        return np.zeros(len(addresses), dtype=bool)
-    starts, sizes = (np.array(column, dtype=np.uint64) for column in zip(*regions, strict=True))
+def region_of(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    """For each entry, the index (into ``regions``, disjoint (address, nbytes) pairs in any order) of the region
+    holding it whole, or -1."""
+    if not len(regions) or not len(addresses):
+        return np.full(len(addresses), -1, dtype=np.int64)
+    order = np.argsort([address for address, _ in regions], kind="stable")
+    starts = np.array([regions[i][0] for i in order], dtype=np.uint64)
+    ends = starts + np.array([regions[i][1] for i in order], dtype=np.uint64)
     where = np.searchsorted(starts, addresses, side="right") - 1
-    return (where >= 0) & (addresses + lengths <= (starts + sizes)[np.maximum(where, 0)])
+    fits = (where >= 0) & (addresses + lengths <= ends[np.maximum(where, 0)])
+    return np.where(fits, order[np.maximum(where, 0)], -1)
+
+
+def inside(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Whether each entry lies inside one of the regions."""
+    return region_of(addresses, lengths, regions) >= 0
+
+
+def runs(
+    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, same: Sequence[np.ndarray] = (), max_bytes: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Paired entries merged where each continues the last on both sides (and every array of ``same`` agrees), then,
+    with ``max_bytes``, runs cut into pieces of at most that (an empty run stays one empty piece): (local addresses,
+    remote addresses, lengths, the first entry of each run or piece)."""
+    if not len(lengths):
+        return local, remote, lengths, np.zeros(0, dtype=np.int64)
+    joins = (local[:-1] + lengths[:-1] == local[1:]) & (remote[:-1] + lengths[:-1] == remote[1:])
+    for key in same:
+        joins &= key[:-1] == key[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = np.add.reduceat(lengths, starts)
+    if not max_bytes:
+        return local[starts], remote[starts], merged, starts
+    entry, piece = repeats(np.maximum(1, (merged + (max_bytes - 1)) // max_bytes))
+    offset = piece * np.uint64(max_bytes)
+    cut = np.minimum(merged[entry] - offset, max_bytes)
+    return local[starts][entry] + offset, remote[starts][entry] + offset, cut, starts[entry]
 
 
 def picked(indices: np.ndarray, count: int) -> np.ndarray:

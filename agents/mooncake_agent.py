@@ -50,8 +50,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from nixl_kv.agents import descriptors as descriptors_module
-from nixl_kv.agents.descriptors import inside, repeats
+from nixl_kv.agents.descriptors import checked, expand, inside, picked, runs, table
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -201,7 +200,7 @@ class MooncakeAgent(TransferAgent):
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"prepare descriptors of {owner or 'local memory'}"
         self._check_memory(memory)
-        addresses, lengths, rows = _expand(descriptors, what)
+        addresses, lengths, rows = checked(expand, f"Mooncake could not {what}", descriptors)
         if owner is None:
             self._check_local(addresses, lengths, what)
         else:
@@ -223,7 +222,9 @@ class MooncakeAgent(TransferAgent):
     ) -> Any:
         if local.owner is not None or remote.owner is None:
             raise AgentError("Mooncake could not create READ: needs a local and a remote descriptor list")
-        local_at, remote_at = _indices(local_indices, local), _indices(remote_indices, remote)
+        what = "Mooncake could not create READ"
+        local_at = checked(picked, what, local_indices, len(local.addresses))
+        remote_at = checked(picked, what, remote_indices, len(remote.addresses))
         batch = _batch(
             (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
             (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
@@ -388,32 +389,10 @@ def _by_location(regions: Sequence[MemoryRegion]) -> dict[str, list[MemoryRegion
     return groups
 
 
-def _table(descriptors: np.ndarray, width: tuple[int, ...], what: str) -> np.ndarray:
-    try:
-        return descriptors_module.table(descriptors, width)
-    except ValueError as exc:
-        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
-
-
-def _expand(descriptors: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows as one entry per unit."""
-    try:
-        return descriptors_module.expand(descriptors)
-    except ValueError as exc:
-        raise AgentError(f"Mooncake could not {what}: {exc}") from exc
-
-
 def _ranges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nx3 rows as (addresses, lengths, row ids): every row is a range of its own (never merged)."""
-    table = _table(rows, (3,), "describe ranges")
-    return table[:, 0], table[:, 1], np.arange(len(table))
-
-
-def _indices(indices: np.ndarray, prepared: MooncakePrepared) -> np.ndarray:
-    try:
-        return descriptors_module.picked(indices, len(prepared.addresses))
-    except ValueError as exc:
-        raise AgentError(f"Mooncake could not create READ: {exc}") from exc
+    rows = checked(table, "Mooncake could not describe ranges", rows, (3,))
+    return rows[:, 0], rows[:, 1], np.arange(len(rows))
 
 
 def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Batch:
@@ -424,21 +403,8 @@ def _batch(local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...]) -> _Ba
         raise AgentError(f"Mooncake could not create READ: {len(local_at)} local and {len(remote_at)} remote entries")
     if not np.array_equal(local_len, remote_len):
         raise AgentError("Mooncake could not create READ: local and remote entry lengths differ")
-    joins = (
-        (local_at[:-1] + local_len[:-1] == local_at[1:])
-        & (remote_at[:-1] + local_len[:-1] == remote_at[1:])
-        & (local_row[:-1] == local_row[1:])
-        & (remote_row[:-1] == remote_row[1:])
-    )
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(local_len, starts)
-    entry, piece = repeats(np.maximum(1, (lengths + (_MAX_ENTRY_BYTES - 1)) // _MAX_ENTRY_BYTES))  # 0 bytes: 1 entry
-    offset = piece * np.uint64(_MAX_ENTRY_BYTES)
-    return _Batch(
-        (local_at[starts][entry] + offset).tolist(),
-        (remote_at[starts][entry] + offset).tolist(),
-        np.minimum(lengths[entry] - offset, _MAX_ENTRY_BYTES).tolist(),
-    )
+    local_at, remote_at, lengths, _ = runs(local_at, remote_at, local_len, (local_row, remote_row), _MAX_ENTRY_BYTES)
+    return _Batch(local_at.tolist(), remote_at.tolist(), lengths.tolist())
 
 
 def _encode(message: bytes) -> str:

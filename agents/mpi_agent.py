@@ -67,7 +67,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from nixl_kv.agents.descriptors import expand, inside, picked, repeats, table
+from nixl_kv.agents.descriptors import checked, expand, inside, picked, runs, table
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NixlKvError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -369,10 +369,7 @@ class MpiAgent(TransferAgent):
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"prepare descriptors of {owner or 'local memory'}"
         _check_memory(memory)
-        try:
-            addresses, lengths, _ = expand(descriptors)
-        except ValueError as exc:
-            raise AgentError(f"MPI could not {what}: {exc}") from None
+        addresses, lengths, _ = checked(expand, f"MPI could not {what}", descriptors)
         self._check_inside(owner, addresses, lengths, what)
         prepared = MpiPrepared(owner, addresses, lengths)
         with self._lock:
@@ -395,13 +392,8 @@ class MpiAgent(TransferAgent):
             raise AgentError("MPI could not create READ: descriptor lists must come from this agent's prepare")
         if local.owner is not None or remote.owner is None:
             raise AgentError("MPI could not create READ: needs a local and a remote descriptor list")
-        try:
-            at_local, at_remote = (
-                picked(local_indices, len(local.addresses)),
-                picked(remote_indices, len(remote.addresses)),
-            )
-        except ValueError as exc:
-            raise AgentError(f"MPI could not create READ: {exc}") from None
+        at_local = checked(picked, "MPI could not create READ", local_indices, len(local.addresses))
+        at_remote = checked(picked, "MPI could not create READ", remote_indices, len(remote.addresses))
         return self._post(
             remote.owner,
             (local.addresses[at_local], local.lengths[at_local]),
@@ -420,10 +412,9 @@ class MpiAgent(TransferAgent):
     ) -> Any:
         for memory in (local_memory, remote_memory):
             _check_memory(memory)
-        try:
-            local, remote = table(local_rows, (3,)), table(remote_rows, (3,))
-        except ValueError as exc:
-            raise AgentError(f"MPI could not describe ranges: {exc}") from None
+        local, remote = (
+            checked(table, "MPI could not describe ranges", rows, (3,)) for rows in (local_rows, remote_rows)
+        )
         self._check_inside(None, local[:, 0], local[:, 1], "describe local ranges")
         self._check_inside(peer, remote[:, 0], remote[:, 1], f"describe ranges of {peer}")
         return self._post(peer, (local[:, 0], local[:, 1]), (remote[:, 0], remote[:, 1]), notification)
@@ -596,15 +587,6 @@ def _runs(
         raise AgentError(
             f"MPI could not create READ: {len(local_at)} local and {len(remote_at)} remote entries of other lengths"
         )
-    if not len(local_at):
-        return local_at, remote_at, local_len
-    joins = (local_at[:-1] + local_len[:-1] == local_at[1:]) & (remote_at[:-1] + local_len[:-1] == remote_at[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(local_len, starts)
-    entry, piece = repeats((lengths + (_MAX_RUN_BYTES - 1)) // _MAX_RUN_BYTES)  # an empty run: none
-    offset = piece * np.uint64(_MAX_RUN_BYTES)
-    return (
-        local_at[starts][entry] + offset,
-        remote_at[starts][entry] + offset,
-        np.minimum(lengths[entry] - offset, _MAX_RUN_BYTES),
-    )
+    keep = local_len > 0  # an empty run moves nothing
+    merged = runs(local_at[keep], remote_at[keep], local_len[keep], max_bytes=_MAX_RUN_BYTES)
+    return merged[0], merged[1], merged[2]

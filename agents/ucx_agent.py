@@ -264,7 +264,7 @@ class UcxAgent(TransferAgent):
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"UCX could not prepare descriptors of {owner or 'local memory'}"
         _check_memory(memory)
-        addresses, lengths, _ = _checked(entries.expand, what, descriptors)
+        addresses, lengths, _ = entries.checked(entries.expand, what, descriptors)
         with self._lock:
             peer = None if owner is None else self._peer(owner, what)
             regions = self._regions(peer, addresses, lengths, what)
@@ -288,8 +288,8 @@ class UcxAgent(TransferAgent):
             raise AgentError(f"{what}: the lists were not prepared by a UCX agent")
         if local.owner is not None or remote.peer is None:
             raise AgentError(f"{what}: needs a local and a remote descriptor list")
-        local_at = _checked(entries.picked, what, local_indices, len(local.addresses))
-        remote_at = _checked(entries.picked, what, remote_indices, len(remote.addresses))
+        local_at = entries.checked(entries.picked, what, local_indices, len(local.addresses))
+        remote_at = entries.checked(entries.picked, what, remote_indices, len(remote.addresses))
         if len(local_at) != len(remote_at) or not np.array_equal(local.lengths[local_at], remote.lengths[remote_at]):
             raise AgentError(f"{what}: local and remote entries differ in number or length")
         runs = _runs(
@@ -309,7 +309,7 @@ class UcxAgent(TransferAgent):
         what = f"UCX could not create READ from {peer}"
         for memory in (local_memory, remote_memory):
             _check_memory(memory)
-        local, remote = (_checked(entries.table, what, rows, (3,)) for rows in (local_rows, remote_rows))
+        local, remote = (entries.checked(entries.table, what, rows, (3,)) for rows in (local_rows, remote_rows))
         if len(local) != len(remote) or not np.array_equal(local[:, 1], remote[:, 1]):
             raise AgentError(f"{what}: local and remote rows differ in number or length")
         with self._lock:
@@ -599,7 +599,7 @@ class UcxAgent(TransferAgent):
     def _regions(self, peer: _Peer | None, addresses: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
         """The region of each entry (the peer's, or this agent's registrations); AgentError for one outside all."""
         spans = peer.spans if peer is not None else [(r.address, r.nbytes) for r in self._registrations]
-        regions = _region_of(addresses, lengths, spans)
+        regions = entries.region_of(addresses, lengths, spans)
         if len(outside := np.flatnonzero(regions < 0)):
             first = int(outside[0])
             owner = f"agent {peer.name}'s" if peer is not None else "this agent's"
@@ -617,37 +617,8 @@ def _runs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, regions: n
     """Entries merged where they continue each other on both sides inside one remote region (one GET each), as
     (local addresses, remote addresses, lengths, remote regions); empty entries are dropped."""
     keep = lengths > 0
-    local, remote, lengths, regions = local[keep], remote[keep], lengths[keep], regions[keep]
-    if not len(lengths):
-        return [], [], [], []
-    joins = (
-        (local[:-1] + lengths[:-1] == local[1:])
-        & (remote[:-1] + lengths[:-1] == remote[1:])
-        & (regions[:-1] == regions[1:])
-    )
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = np.add.reduceat(lengths, starts)
-    return local[starts].tolist(), remote[starts].tolist(), merged.tolist(), regions[starts].tolist()
-
-
-def _checked(function: Any, what: str, *args: Any) -> Any:
-    """A helper of ``nixl_kv.agents.descriptors``, its ValueError as AgentError."""
-    try:
-        return function(*args)
-    except ValueError as exc:
-        raise AgentError(f"{what}: {exc}") from exc
-
-
-def _region_of(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]]) -> np.ndarray:
-    """For each entry, the index (into ``regions``, (address, nbytes) pairs) of a region holding it whole, or -1."""
-    if not regions or not len(addresses):
-        return np.full(len(addresses), -1, dtype=np.int64)
-    order = np.argsort([address for address, _ in regions], kind="stable")
-    starts = np.array([regions[i][0] for i in order], dtype=np.uint64)
-    ends = starts + np.array([regions[i][1] for i in order], dtype=np.uint64)
-    where = np.searchsorted(starts, addresses, side="right") - 1
-    fits = (where >= 0) & (addresses + lengths <= ends[np.maximum(where, 0)])
-    return np.where(fits, order[np.maximum(where, 0)], -1)
+    local, remote, merged, first = entries.runs(local[keep], remote[keep], lengths[keep], (regions[keep],))
+    return local.tolist(), remote.tolist(), merged.tolist(), regions[keep][first].tolist()
 
 
 def _finished(request: int, what: str) -> bool:
