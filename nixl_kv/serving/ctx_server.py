@@ -40,9 +40,11 @@ def create_ctx_app(engine: CtxEngine) -> FastAPI:
         job = PrefillJob(body.prompt)
         try:
             engine.submit(job)
-            done = await asyncio.wrap_future(job.future)
+            done = await asyncio.wait_for(asyncio.wrap_future(job.future), engine.options.step_timeout_s)
         except (EngineStopped, BufferExhaustedError) as exc:
             raise HTTPException(503, f"{type(exc).__name__}: {exc}") from None
+        except TimeoutError:
+            raise HTTPException(504, f"no prefill within {engine.options.step_timeout_s:.0f} s") from None
         return {
             "request_id": done.request_id,
             "first_token": done.first_token,

@@ -43,6 +43,7 @@ class InstanceOptions:
     num_slots: int = 64  # Mamba state slots (requests held at once), for hybrid models
     transfer_timeout_ms: int = 10_000  # the gen side fails a transfer that has not ended by then
     max_prompt_tokens: int = 1024
+    step_timeout_s: float = 60.0  # the most a request waits on the engine for one step (a prefill, a token)
 
 
 class EngineStopped(RuntimeError):

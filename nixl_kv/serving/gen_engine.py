@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nixl_kv.errors import BufferExhaustedError
@@ -72,7 +73,7 @@ class GenEngine(Engine):
         self._receiving: dict[int, TransferRequest] = {}
         self._tokens: dict[int, int] = {}  # request id -> prompt tokens
         self._jobs_by_id: dict[int, ReceiveJob] = {}  # rank 0
-        self._held: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # request id -> prompt, oldest first
+        self._held: OrderedDict[int, np.ndarray] = OrderedDict()  # request id -> prompt, oldest first
         self._decoding: list[_Decoding] = []
 
     # --- rank 0: plan ---------------------------------------------------------------------------------------------
@@ -92,14 +93,11 @@ class GenEngine(Engine):
 
     def _longest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
         """The held request sharing the most whole leading blocks with ``prompt`` (the last token always moves)."""
-        best, best_blocks = None, 0
+        best, best_blocks, wanted = None, 0, np.asarray(prompt[: len(prompt) - 1])
         for request_id, held in self._held.items():
-            common = 0
-            for a, b in zip(held, prompt[: len(prompt) - 1], strict=False):
-                if a != b:
-                    break
-                common += 1
-            blocks = common // self.options.tokens_per_block
+            length = min(len(held), len(wanted))
+            differ = np.flatnonzero(held[:length] != wanted[:length])
+            blocks = int(differ[0] if len(differ) else length) // self.options.tokens_per_block
             if blocks > best_blocks:
                 best, best_blocks = request_id, blocks
         return best, best_blocks
@@ -164,7 +162,7 @@ class GenEngine(Engine):
             if request.state is not RequestState.GENERATION_TRANS_COMPLETE:
                 fail_future(job.future, TransferFailed(request.error or "the transfer failed"))
                 continue
-            self._held[request_id] = tuple(job.prompt)
+            self._held[request_id] = np.asarray(job.prompt)
             per_rank = [pieces[request_id] for pieces in gathered]
             whole = join_pieces([piece for piece, _ in per_rank], self.state, self.geometry)
             cache = model_cache(whole, self.geometry, self.model.config)

@@ -59,16 +59,21 @@ def create_gen_app(engine: GenEngine) -> FastAPI:
         )
         try:
             engine.submit(job)
-            received = await asyncio.wrap_future(job.future)
+            # the transfer ends by its own deadline; this one only guards against an engine that stopped answering
+            waited_s = engine.options.transfer_timeout_ms / 1000 + engine.options.step_timeout_s
+            received = await asyncio.wait_for(asyncio.wrap_future(job.future), waited_s)
         except EngineStopped as exc:
             raise HTTPException(503, str(exc)) from None
+        except TimeoutError:
+            job.cancelled = True
+            raise HTTPException(504, f"the transfer had no outcome within {waited_s:.0f} s") from None
         except TransferFailed as exc:
             raise HTTPException(error_status(str(exc)), str(exc)) from None
 
         async def lines() -> AsyncIterator[bytes]:
             count = 0
             try:
-                while (token := await tokens.get()) is not None:
+                while (token := await asyncio.wait_for(tokens.get(), engine.options.step_timeout_s)) is not None:
                     count += 1
                     yield json.dumps({"token": token}).encode() + b"\n"
                 finish = "length" if count >= body.max_tokens else "stop"
