@@ -43,7 +43,8 @@ class Lockstep:
         return steps[0]
 
     def receive(self) -> Any:
-        """A follower: its next step, waited for without spinning."""
+        """A follower: its next step, waited for without spinning. No deadline: an idle server waits for requests
+        as long as it runs, and if rank 0 dies, mpiexec ends the job (every rank with it)."""
         while not self._world.iprobe(source=0, tag=STEP_TAG):
             time.sleep(PROBE_INTERVAL_S)
         return self._world.recv(source=0, tag=STEP_TAG)
