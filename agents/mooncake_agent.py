@@ -31,6 +31,16 @@ Why it is built this way (``mooncake.engine`` of mooncake-transfer-engine 0.3.13
 - A READ reads FAILED as soon as one of its entries failed, while others may still be landing (the engine gives
   no way to wait for them): like a READ NIXL cannot cancel, its destination must be treated as poisoned.
 - The non-CUDA build (``mooncake-transfer-engine-non-cuda``) moves DRAM only: VRAM raises NotSupportedError.
+- The engine picks its transport from the environment when it initialises, not from ``initialize``'s protocol
+  (which only picks an allocator): left alone, the CUDA build on a host without RDMA devices asks for the
+  multi-node NVLink transport, which the wheel does not build, and fails. So the agent sets, for the engine's
+  initialisation only, the variable that names its protocol (``NIXL_KV_MOONCAKE_PROTOCOL``): ``tcp`` (the
+  default, ``MC_FORCE_TCP``: any memory, VRAM staged through the host), ``nvlink_intra`` or ``auto`` (the engine's
+  own choice, RDMA where it finds a device).
+- ``nvlink_intra`` (``MC_INTRANODE_NVLINK``: CUDA IPC between processes of one host) registers VRAM only, and
+  nixl_kv's hold board is DRAM. So that agent runs two engines: a TCP one for DRAM and for every notification, and
+  an NVLink one for VRAM-to-VRAM READs, whose notification follows its last piece as a zero-length READ on the TCP
+  engine (so notifications keep one order, and one queue to poll). Its metadata names both sessions.
 
 ``forget_remote`` only drops the name: the binding cannot close the engine's cached segment of that peer.
 """
@@ -42,8 +52,9 @@ import binascii
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +70,11 @@ from nixl_kv.layout import MemoryKind, MemoryRegion
 log = logging.getLogger(__name__)
 
 HOSTNAME_ENV = f"{ENV_PREFIX}MOONCAKE_HOSTNAME"
+PROTOCOL_ENV = f"{ENV_PREFIX}MOONCAKE_PROTOCOL"
+PROTOCOLS = {"tcp": {"MC_FORCE_TCP": "1"}, "nvlink_intra": {"MC_INTRANODE_NVLINK": "1"}, "auto": {}}
 _FORMAT = "nixl_kv.mooncake/1"
 _FIELDS = {"format", "agent", "session"}
+_VRAM_FIELD = "vram"  # only in the metadata of an nvlink_intra agent
 _MAX_METADATA_BYTES = 1024
 _MAX_ENTRY_BYTES = 4 << 20  # loopback DRAM, 64 MiB: 0.8 GB/s as one entry, 1.6 GB/s as 4 MiB pieces
 _QUEUED_PER_PEER = 1024  # the TCP transport's default; it fails (not waits for) entries beyond its queue
@@ -69,13 +83,18 @@ _SESSION = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,253}:[0-9]{1,5}")
 
 @dataclass(frozen=True)
 class MooncakeMetadata:
-    """What a peer needs to reach an agent: its name and its engine's session id (``host:rpc_port``)."""
+    """What a peer needs to reach an agent: its name and its engines' session ids (``host:rpc_port``): the one for
+    DRAM and notifications, and an nvlink_intra agent's one for VRAM."""
 
     agent: str
     session: str
+    vram_session: str | None = None
 
     def encode(self) -> bytes:
-        return msgpack.packb({"format": _FORMAT, "agent": self.agent, "session": self.session})
+        fields = {"format": _FORMAT, "agent": self.agent, "session": self.session}
+        if self.vram_session is not None:
+            fields[_VRAM_FIELD] = self.vram_session
+        return msgpack.packb(fields)
 
     @staticmethod
     def decode(data: bytes) -> MooncakeMetadata:
@@ -86,14 +105,15 @@ class MooncakeMetadata:
             fields = msgpack.unpackb(data, raw=False)
         except Exception as exc:  # msgpack raises several types (and UnicodeDecodeError for a non-text name)
             raise AgentError(f"Mooncake metadata is not valid msgpack: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(fields, dict) or set(fields) != _FIELDS or fields["format"] != _FORMAT:
+        if not isinstance(fields, dict) or set(fields) - {_VRAM_FIELD} != _FIELDS or fields["format"] != _FORMAT:
             raise AgentError(f"Mooncake metadata is not a {_FORMAT} map")
-        agent, session = fields["agent"], fields["session"]
+        agent, session, vram_session = fields["agent"], fields["session"], fields.get(_VRAM_FIELD)
         if not isinstance(agent, str) or not agent:
             raise AgentError("Mooncake metadata: agent must be a non-empty string")
-        if not _valid_session(session):
-            raise AgentError(f"Mooncake metadata: session {session!r} is not host:port")
-        return MooncakeMetadata(agent, session)
+        for value in (session,) if vram_session is None else (session, vram_session):
+            if not _valid_session(value):
+                raise AgentError(f"Mooncake metadata: session {value!r} is not host:port")
+        return MooncakeMetadata(agent, session, vram_session)
 
 
 def _valid_session(session: object) -> bool:
@@ -109,6 +129,7 @@ class MooncakePrepared:
     """A prepared descriptor list: one entry per unit, and the row each entry came from (merges stay in a row)."""
 
     owner: str | None
+    memory: MemoryKind
     addresses: np.ndarray  # uint64
     lengths: np.ndarray  # uint64
     rows: np.ndarray  # int64
@@ -144,11 +165,12 @@ class MooncakeAgent(TransferAgent):
         name: str,
         progress_thread: bool = False,
         hostname: str | None = None,
-        protocol: str = "tcp",
+        protocol: str | None = None,
         max_inflight: int = 2,
     ) -> None:
         """``hostname``: the address peers reach this engine at; by default ``NIXL_KV_MOONCAKE_HOSTNAME``, else
         127.0.0.1 (one host only). The transceiver passes neither, so across hosts set the variable.
+        ``protocol``: one of ``PROTOCOLS``; by default ``NIXL_KV_MOONCAKE_PROTOCOL``, else ``tcp``.
         ``progress_thread`` is accepted for the registry's call and ignored: the engine runs its own threads.
         ``max_inflight``: READs running at once; each waits for its batch in a spinning loop of the engine's,
         so more than the cores available only slows the others down."""
@@ -160,18 +182,25 @@ class MooncakeAgent(TransferAgent):
             ) from exc
         self.name = name
         hostname = hostname or os.environ.get(HOSTNAME_ENV, "127.0.0.1")
+        protocol = protocol or os.environ.get(PROTOCOL_ENV, "tcp")
+        if protocol not in PROTOCOLS:
+            raise NotSupportedError(f"Mooncake protocol {protocol!r} is not one of {sorted(PROTOCOLS)}")
         self._module = engine_module
-        self._engine: Any = engine_module.TransferEngine()
-        self._check("initialize the engine", "initialize", hostname, "P2PHANDSHAKE", protocol, "")
-        port = self._call("read its RPC port", "get_rpc_port")
-        self._metadata = MooncakeMetadata(name, f"{hostname}:{port}")
+        self._engine: Any = self._start(hostname, "tcp" if protocol == "nvlink_intra" else protocol)
+        self._vram_engine: Any = self._start(hostname, protocol) if protocol == "nvlink_intra" else None
+        self._metadata = MooncakeMetadata(
+            name,
+            f"{hostname}:{self._call('read its RPC port', 'get_rpc_port')}",
+            None if self._vram_engine is None else f"{hostname}:{self._vram_engine.get_rpc_port()}",
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"mooncake-{name}")
         self._piece = max(1, _queued_per_peer() // max_inflight)
         self._notifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-notify-{name}")
         self._registrations: list[tuple[int, int]] = []  # (address, nbytes), kept sorted by address
+        self._on_vram_engine: list[int] = []  # addresses registered with the VRAM engine
         self._prepared: set[MooncakePrepared] = set()
         self._transfers: set[MooncakeTransfer] = set()
-        self._remotes: dict[str, str] = {}  # agent name -> session id
+        self._remotes: dict[str, MooncakeMetadata] = {}
         self._closed = False
 
     def metadata(self) -> bytes:
@@ -182,17 +211,20 @@ class MooncakeAgent(TransferAgent):
             self._check_memory(memory)
         for location, group in _by_location(regions).items():
             addresses, sizes = [r.address for r in group], [r.nbytes for r in group]
-            self._check("register memory", "batch_register_memory", addresses, sizes, location)
+            vram_engine = group[0].memory is MemoryKind.VRAM and self._vram_engine is not None
+            engine = self._vram_engine if vram_engine else self._engine
+            self._check("register memory", "batch_register_memory", addresses, sizes, location, engine=engine)
             self._registrations = sorted([*self._registrations, *zip(addresses, sizes, strict=True)])
+            self._on_vram_engine += addresses if vram_engine else []
 
     def load_remote(self, metadata: bytes, name: str) -> None:
         described = MooncakeMetadata.decode(metadata)
         if described.agent != name:
             raise AgentError(f"metadata given for agent {name!r} describes agent {described.agent!r}")
-        self._remotes[name] = described.session
+        self._remotes[name] = described
 
     def connect(self, name: str) -> None:
-        self._check(f"connect to {name}", "send_probe", self._session(name, f"connect to {name}"))
+        self._check(f"connect to {name}", "send_probe", self._peer(name, f"connect to {name}").session)
 
     def forget_remote(self, name: str) -> None:
         self._remotes.pop(name, None)
@@ -204,8 +236,8 @@ class MooncakeAgent(TransferAgent):
         if owner is None:
             self._check_local(addresses, lengths, what)
         else:
-            self._session(owner, what)
-        prepared = MooncakePrepared(owner, addresses, lengths, rows)
+            self._peer(owner, what)
+        prepared = MooncakePrepared(owner, memory, addresses, lengths, rows)
         self._prepared.add(prepared)
         return prepared
 
@@ -229,7 +261,7 @@ class MooncakeAgent(TransferAgent):
             (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
             (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
         )
-        return self._post(remote.owner, batch, notification)
+        return self._post(remote.owner, batch, notification, (local.memory, remote.memory))
 
     def read_ranges(
         self,
@@ -244,7 +276,7 @@ class MooncakeAgent(TransferAgent):
             self._check_memory(memory)
         local, remote = _ranges(local_rows), _ranges(remote_rows)
         self._check_local(local[0], local[1], "describe local ranges")
-        return self._post(peer, _batch(local, remote), notification)
+        return self._post(peer, _batch(local, remote), notification, (local_memory, remote_memory))
 
     def status(self, transfer: Any) -> TransferStatus:
         future = transfer.future
@@ -267,7 +299,7 @@ class MooncakeAgent(TransferAgent):
         """Queued on the agent's notifier thread, in order: the engine's handshake with a peer that stopped (not
         died) blocks for up to 60 s, which must not stall the caller's progress loop. A failed send is logged."""
         what = f"notify {peer}"
-        session = self._session(peer, what)
+        session = self._peer(peer, what).session
         if self._closed:
             raise AgentError(f"Mooncake could not {what}: the agent is closed")
         note = self._module.TransferNotify(self.name, _encode(message))
@@ -298,13 +330,19 @@ class MooncakeAgent(TransferAgent):
         self._transfers.clear()
         self._prepared.clear()
         self._remotes.clear()
-        if self._registrations:
+        on_vram_engine = set(self._on_vram_engine)
+        for engine, addresses in (
+            (self._engine, [a for a, _ in self._registrations if a not in on_vram_engine]),
+            (self._vram_engine, self._on_vram_engine),
+        ):
             try:
-                self._check("deregister memory", "batch_unregister_memory", [a for a, _ in self._registrations])
+                if addresses:
+                    self._check("deregister memory", "batch_unregister_memory", addresses, engine=engine)
             except AgentError as exc:
                 log.warning("%s", exc)
         self._registrations.clear()
-        self._engine = None
+        self._on_vram_engine.clear()
+        self._engine = self._vram_engine = None
 
     @property
     def live_handles(self) -> dict[str, int]:
@@ -316,29 +354,54 @@ class MooncakeAgent(TransferAgent):
             "registrations": len(self._registrations),
         }
 
-    def _post(self, peer: str, batch: _Batch, notification: bytes) -> MooncakeTransfer:
+    def _post(
+        self, peer: str, batch: _Batch, notification: bytes, memory: tuple[MemoryKind, MemoryKind]
+    ) -> MooncakeTransfer:
         what = f"post READ from {peer}"
-        session = self._session(peer, what)
+        described = self._peer(peer, what)
         if self._closed:
             raise AgentError(f"Mooncake could not {what}: the agent is closed")
         note = self._module.TransferNotify(self.name, _encode(notification)) if notification else None
-        transfer = MooncakeTransfer(peer, sum(batch.lengths), self._pool.submit(self._read, session, batch, note))
+        if self._vram_engine is None:
+            job = (self._engine, described.session, batch, note, None)
+        elif memory != (MemoryKind.VRAM, MemoryKind.VRAM) or described.vram_session is None:
+            raise AgentError(
+                f"Mooncake could not {what}: nvlink_intra reads VRAM into VRAM between nvlink_intra agents"
+                f" (here {memory[1].name} into {memory[0].name}, peer protocol"
+                f" {'nvlink_intra' if described.vram_session else 'not nvlink_intra'})"
+            )
+        else:
+            job = (self._vram_engine, described.vram_session, batch, note, described.session)
+        transfer = MooncakeTransfer(peer, sum(batch.lengths), self._pool.submit(self._read, *job))
         self._transfers.add(transfer)
         return transfer
 
-    def _read(self, session: str, batch: _Batch, note: Any) -> int:
-        """Runs on the pool: the READ in pieces of at most ``_piece`` entries, one after the other, the notification
-        with the last. The TCP transport fails what exceeds its queue per peer, shared by the pool's workers."""
+    def _read(self, engine: Any, session: str, batch: _Batch, note: Any, note_session: str | None) -> int:
+        """Runs on the pool: the READ in pieces of at most ``_piece`` entries, one after the other. The notification
+        rides the last piece, or, on the VRAM engine (``note_session`` given), follows it on the TCP engine. The
+        TCP transport fails what exceeds its queue per peer, shared by the pool's workers."""
         read = self._module.TransferOpcode.Read
+        inline = note if note_session is None else None
         for start in range(0, len(batch.lengths), self._piece):
             end = start + self._piece
             last = end >= len(batch.lengths)
             pieces = (batch.local[start:end], batch.remote[start:end], batch.lengths[start:end])
-            if code := self._engine.batch_transfer_sync(session, *pieces, read, note if last else None):
+            if code := engine.batch_transfer_sync(session, *pieces, read, inline if last else None):
                 return code
+        if note is not None and note_session is not None:
+            return self._engine.batch_transfer_sync(note_session, [0], [0], [0], read, note)
         return 0
 
-    def _session(self, name: str, what: str) -> str:
+    def _start(self, hostname: str, protocol: str) -> Any:
+        """An engine initialised for ``protocol`` (whose variables the engine reads while it initialises)."""
+        engine = self._module.TransferEngine()
+        with _environment(PROTOCOLS[protocol]):
+            code = engine.initialize(hostname, "P2PHANDSHAKE", protocol, "")
+        if code != 0:
+            raise AgentError(f"Mooncake could not initialize a {protocol} engine: initialize returned {code}")
+        return engine
+
+    def _peer(self, name: str, what: str) -> MooncakeMetadata:
         try:
             return self._remotes[name]
         except KeyError:
@@ -358,18 +421,35 @@ class MooncakeAgent(TransferAgent):
                 " is not inside registered memory"
             )
 
-    def _call(self, what: str, method: str, *args: Any) -> Any:
-        if self._engine is None:
+    def _call(self, what: str, method: str, *args: Any, engine: Any = None) -> Any:
+        engine = engine or self._engine
+        if engine is None:
             raise AgentError(f"Mooncake could not {what}: the agent is closed")
         try:
-            return getattr(self._engine, method)(*args)
+            return getattr(engine, method)(*args)
         except Exception as exc:  # the binding raises TypeError/RuntimeError; none may escape as such
             raise AgentError(f"Mooncake could not {what}: {type(exc).__name__}: {exc}") from exc
 
-    def _check(self, what: str, method: str, *args: Any) -> None:
-        """Call an engine method that reports failure as a non-zero return code."""
-        if (code := self._call(what, method, *args)) != 0:
+    def _check(self, what: str, method: str, *args: Any, engine: Any = None) -> None:
+        """Call an engine method (of the TCP engine unless ``engine`` is given) that reports failure as a non-zero
+        return code."""
+        if (code := self._call(what, method, *args, engine=engine)) != 0:
             raise AgentError(f"Mooncake could not {what}: {method} returned {code}")
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set variables for the engine's initialisation (which reads them), then restore what was there."""
+    saved = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _queued_per_peer() -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -354,6 +355,24 @@ def test_mooncake_without_cuda_refuses_vram() -> None:
         assert agent.live_handles["registrations"] == 0
     finally:
         agent.close()
+
+
+def test_mooncake_protocol_is_checked_and_metadata_names_a_vram_engine_only_when_it_has_one() -> None:
+    """An unknown protocol is refused by name; the metadata of an nvlink_intra agent (two engines) round-trips,
+    and a malformed second session is refused like the first."""
+    module = pytest.importorskip("nixl_kv.agents.mooncake_agent", exc_type=ImportError)
+    pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    with pytest.raises(NotSupportedError, match="'rdma-ish' is not one of"):
+        module.MooncakeAgent("bad-protocol", protocol="rdma-ish")
+    both = module.MooncakeMetadata("gen0", "127.0.0.1:4000", "127.0.0.1:4001")
+    assert module.MooncakeMetadata.decode(both.encode()) == both
+    one = module.MooncakeMetadata("gen0", "127.0.0.1:4000")
+    assert module.MooncakeMetadata.decode(one.encode()) == one
+    fields = msgpack.unpackb(both.encode())
+    with pytest.raises(AgentError, match="is not host:port"):
+        module.MooncakeMetadata.decode(msgpack.packb({**fields, "vram": "127.0.0.1:0"}))
+    with pytest.raises(AgentError, match="map"):
+        module.MooncakeMetadata.decode(msgpack.packb({**fields, "extra": 1}))
 
 
 _PEER = """
