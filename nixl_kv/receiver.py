@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from nixl_kv import wire
-from nixl_kv.auth import proves
+from nixl_kv.auth import prove, proves
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
@@ -356,16 +356,19 @@ class CacheReceiver:
             ctx_state.comm.ranks[rank] for rank in range(ctx.world_size) if holds_request(ctx, rank, params.ctx_dp_rank)
         ]
         message = wire.encode(
-            ReadDone(
-                ctx_instance_id=ctx_state.instance_id,
-                request_id=params.request_id,
-                transfer_id=0,
-                reader_metadata=self._metadata,
-                expected_readers=1,
-                final=True,
-                failed=True,
-                reason=f"a gen rank cannot read the request: {reason}"[:512],
-                proof=params.secret,
+            prove(
+                ReadDone(
+                    ctx_instance_id=ctx_state.instance_id,
+                    request_id=params.request_id,
+                    transfer_id=0,
+                    reader_metadata=self._metadata,
+                    expected_readers=1,
+                    final=True,
+                    failed=True,
+                    reason=f"a gen rank cannot read the request: {reason}"[:512],
+                ),
+                params.secret,
+                self._loop.agent.name,
             )
         )
 
@@ -466,7 +469,9 @@ class CacheReceiver:
         """Step 1: the READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
         if pull.read.expected_readers == 0:
             self._peers.connect(pull.rank)
-            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
+            message = prove(
+                NoReaders(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
+            )
             self._loop.agent.notify(pull.rank.agent_name, wire.encode(message))
             pull.step = Step.DONE
             return
@@ -960,7 +965,9 @@ class CacheReceiver:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
         if not peer.watching:
             self._peers.connect(peer.rank)
-            watch = LayerWatch(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
+            watch = prove(
+                LayerWatch(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
+            )
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(watch))
             peer.watching = True
             return False
@@ -978,7 +985,9 @@ class CacheReceiver:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
         if peer.full.expected_readers == 0:
             self._peers.connect(peer.rank)
-            message = NoReaders(incoming.key[0], incoming.key[1], self._metadata, incoming.secret)
+            message = prove(
+                NoReaders(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
+            )
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
             peer.done = True
             return
@@ -1025,8 +1034,8 @@ class CacheReceiver:
                 layers=(box.layers.start, box.layers.stop),
                 heads=(box.heads.start, box.heads.stop),
                 blocks=(box.blocks.start, box.blocks.stop),
-                proof=incoming.secret,
             )
+            claim = prove(claim, incoming.secret, self._loop.agent.name)
             self._loop.agent.notify(peer.rank.agent_name, wire.encode(claim))
         peer.current = transfer
         self._by_transfer[transfer.transfer_id] = (incoming, peer)
@@ -1091,21 +1100,19 @@ class CacheReceiver:
         failure: str = "",
     ) -> bytes:
         """``failure``: the reader gives up (a ``ReadDone(failed)``, so the ctx rank need not wait its lease)."""
-        return wire.encode(
-            ReadDone(
-                ctx_instance_id=key[0],
-                request_id=key[1],
-                transfer_id=transfer_id,
-                reader_metadata=self._metadata,
-                expected_readers=expected_readers,
-                final=final,
-                failed=bool(failure),
-                reason=failure[:512],
-                checks_hold=checks_hold,
-                hold_token=hold_token,
-                proof=secret,
-            )
+        done = ReadDone(
+            ctx_instance_id=key[0],
+            request_id=key[1],
+            transfer_id=transfer_id,
+            reader_metadata=self._metadata,
+            expected_readers=expected_readers,
+            final=final,
+            failed=bool(failure),
+            reason=failure[:512],
+            checks_hold=checks_hold,
+            hold_token=hold_token,
         )
+        return wire.encode(prove(done, secret, self._loop.agent.name))
 
     def _busy_agents(self) -> set[str]:
         with self._lock:
@@ -1153,7 +1160,7 @@ class CacheReceiver:
     def _forged(self, incoming: _Incoming, message: Any, sender: str) -> bool:
         """A ctx message whose proof is not the request's secret: dropped and counted (an agent may take any name,
         so the name is no proof)."""
-        if proves(message.proof, incoming.secret):
+        if proves(message, incoming.secret, sender):
             return False
         self._metrics.add("gen", forged_messages=1)
         log.debug("dropped a %s for request %s from %s: wrong proof", type(message).__name__, incoming.key, sender)

@@ -19,12 +19,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from nixl_kv import wire
-from nixl_kv.auth import proves, request_secret
+from nixl_kv.auth import prove, proves, request_secret
 from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
@@ -42,6 +42,7 @@ from nixl_kv.topology import layer_range, position
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
+Answer = TypeVar("Answer", ReadVerdict, StageGrant, LayersReady)
 
 MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
 EARLY_GRACE_S = 1.0  # a claim, watch or NoReaders for a request this rank has not registered yet waits this long
@@ -208,13 +209,20 @@ class CacheSender:
         counted before anything else is done for it. Nothing is loaded for it and nothing answered: one malformed
         metadata blob aborts the whole process inside UCX (an address-version assertion, found by scripts/fuzz.sh)."""
         if message.ctx_instance_id == self._context.instance_id and proves(
-            message.proof, request_secret(self._context.auth_key, message.request_id)
+            message, self._secret(message.request_id), reader
         ):
             return False
         self._metrics.add("ctx", forged_messages=1)
         kind = type(message).__name__
         log.debug("dropped a %s for request %d from %s: wrong proof", kind, message.request_id, reader)
         return True
+
+    def _secret(self, request_id: int) -> bytes:
+        return request_secret(self._context.auth_key, request_id)
+
+    def _signed(self, message: Answer) -> Answer:
+        """An answer to a reader, with its proof (the reader checks it under the request's secret)."""
+        return prove(message, self._secret(message.request_id), self._loop.agent.name)
 
     def _parked_early(self, reader: str, message: Any, handler: Callable[[str, Any], None]) -> bool:
         """Park a (proven) message for a request this rank has not registered yet."""
@@ -254,7 +262,7 @@ class CacheSender:
             return
         if self._parked_early(reader, claim, self._on_stage_claim):
             return
-        grant = self._grant(reader, claim)
+        grant = self._signed(self._grant(reader, claim))
         try:
             self._loop.agent.notify(reader, wire.encode(grant))
         except AgentError as exc:
@@ -262,17 +270,11 @@ class CacheSender:
             self._free_slot(reader, claim.transfer_id, claim.request_id)
 
     def _grant(self, reader: str, claim: StageClaim) -> StageGrant:
-        """For a proven claim (``_forged``): its proof is the request's secret, so every answer carries it."""
+        """The answer (not yet proven) to a proven claim (``_forged``)."""
 
         def refuse(reason: str, retry: bool = False) -> StageGrant:
             return StageGrant(
-                self._context.instance_id,
-                claim.request_id,
-                claim.transfer_id,
-                False,
-                retry=retry,
-                reason=reason,
-                proof=claim.proof,
+                self._context.instance_id, claim.request_id, claim.transfer_id, False, retry=retry, reason=reason
             )
 
         with self._lock:
@@ -302,13 +304,7 @@ class CacheSender:
             return refuse(f"packing failed: {type(exc).__name__}: {exc}")
         self._granted[(reader, claim.transfer_id)] = (claim.request_id, slot)
         return StageGrant(
-            self._context.instance_id,
-            claim.request_id,
-            claim.transfer_id,
-            True,
-            slot.region.address,
-            nbytes,
-            proof=claim.proof,
+            self._context.instance_id, claim.request_id, claim.transfer_id, True, slot.region.address, nbytes
         )
 
     def _on_layer_watch(self, reader: str, message: LayerWatch) -> None:
@@ -326,9 +322,7 @@ class CacheSender:
         self._announce(entry, [reader])
 
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
-        ready = LayersReady(
-            self._context.instance_id, entry.request.request_id, self._ready_below(entry), proof=entry.secret
-        )
+        ready = self._signed(LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry)))
         for reader in readers:
             try:
                 self._loop.agent.notify(reader, wire.encode(ready))
@@ -367,8 +361,8 @@ class CacheSender:
         refusal = self._record(reader, message, mismatch)
         if ours and message.checks_hold and entry.posted and not wrong and not message.failed:
             return  # the reader saw the hold on the board after its READ: it needs no verdict
-        verdict = ReadVerdict(  # its proof, checked in _forged, is the request's secret
-            self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal, message.proof
+        verdict = self._signed(
+            ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
         )
         try:
             self._loop.agent.notify(reader, wire.encode(verdict))

@@ -32,11 +32,13 @@ _NO_DEFAULT = object()
 T = TypeVar("T")
 
 
-def encode(obj: Any) -> bytes:
-    """Serialize a dataclass instance of the data model."""
-    return msgpack.packb(
-        {"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": _to_plain(obj)}, use_bin_type=True
-    )
+def encode(obj: Any, omit: str = "") -> bytes:
+    """Serialize a dataclass instance of the data model (without its field ``omit``, when given: what a MAC
+    over the rest of the message covers)."""
+    body = _to_plain(obj)
+    if omit:
+        body.pop(omit, None)
+    return msgpack.packb({"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": body}, use_bin_type=True)
 
 
 def decode(data: bytes, cls: type[T]) -> T:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nixl_kv import wire
+from nixl_kv.auth import prove
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError
@@ -101,10 +102,11 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
     strangers = [NixlAgent(f"stranger-{i}") for i in range(40)]
     try:
         for i, stranger in enumerate(strangers):
-            message = ReadDone(instance, 1, 100 + i, stranger.metadata(), 1, final=False, proof=secret)
+            message = prove(ReadDone(instance, 1, 100 + i, stranger.metadata(), 1, final=False), secret, gen_agent.name)
             gen_agent.notify(ctx_agent.name, wire.encode(message))
         # then a real one: notifications from one sender arrive in order, so once it ends request 1 all were seen
-        gen_agent.notify(ctx_agent.name, wire.encode(ReadDone(instance, 1, 99, gen_agent.metadata(), 1, proof=secret)))
+        done = prove(ReadDone(instance, 1, 99, gen_agent.metadata(), 1), secret, gen_agent.name)
+        gen_agent.notify(ctx_agent.name, wire.encode(done))
         assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
         assert not any(ctx_agent._agent.check_remote_metadata(stranger.name) for stranger in strangers)
         assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
@@ -238,6 +240,49 @@ def test_forged_control_messages_from_a_third_agent_change_nothing_on_the_ctx_si
         intruder.close()
 
 
+def test_what_an_observer_of_the_fabric_sees_proves_nothing_else(pair_factory) -> None:
+    """Proofs are MACs under the secret of the sender's name and every field, so what crosses the fabric can
+    neither be reused nor altered: the secret itself as a proof (what messages once carried), a real reader's
+    proven final ReadDone replayed under another agent's name (it would count as a second reader), and that
+    message with more readers declared are all dropped and counted. The real message then ends the request."""
+    from nixl_kv.agents.nixl_agent import NixlAgent
+    from nixl_kv.protocol import ReadDone
+
+    pair = pair_factory()
+    ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
+    ctx_request = pair.prefill(1, 40)
+    secret = _secret(ctx_request)
+    observer, reader = NixlAgent("observer"), NixlAgent("reader")
+    try:
+        for agent in (observer, reader):
+            agent.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        real = prove(ReadDone(instance, 1, 3, reader.metadata(), 2), secret, reader.name)
+        assert secret not in wire.encode(real)
+        replayed = dataclasses.replace(real, reader_metadata=observer.metadata())
+        for message in (
+            ReadDone(instance, 1, 3, observer.metadata(), 1, proof=secret),
+            real,  # from the observer: the proof names the reader
+            dataclasses.replace(replayed, proof=real.proof),
+            dataclasses.replace(real, expected_readers=4096),
+        ):
+            observer.notify(ctx_agent.name, wire.encode(message))
+        counted = lambda: pair.ctx.transceiver.metrics.snapshot()["ctx"]["forged_messages"]  # noqa: E731
+        assert _wait_for(lambda: counted() == 4, progress=observer.poll_notifications), counted()
+        assert ctx_agent.live_handles["remotes"] == 0 and observer.poll_notifications() == []
+        assert ctx_request.state is RequestState.CONTEXT_TRANS_IN_PROGRESS
+        reader.notify(ctx_agent.name, wire.encode(real))  # one of the two readers declared
+        answers: list = []
+        assert _wait_for(lambda: answers.extend(reader.poll_notifications()) or bool(answers))
+        verdict = wire.decode(answers[0][1], ReadVerdict)
+        assert (
+            verdict.ok and verdict.proof == prove(dataclasses.replace(verdict, proof=b""), secret, ctx_agent.name).proof
+        )
+        assert ctx_request.state is RequestState.CONTEXT_TRANS_IN_PROGRESS  # one of its two readers reported
+    finally:
+        observer.close()
+        reader.close()
+
+
 @pytest.mark.parametrize("proof", ["none", "the request's secret"])
 def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(pair_factory, proof: str) -> None:
     """The ctx rank never answers (its answer is lost); an agent under the ctx agent's own name (NIXL allows it)
@@ -260,8 +305,9 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
     impostor = NixlAgent(ctx_agent.name)
     try:
         impostor.load_remote(gen_agent.metadata(), gen_agent.name)
-        secret = _secret(ctx_request) if proof != "none" else b""
-        verdict = ReadVerdict(pair.ctx.transceiver.instance_id, 1, transfer_id, True, proof=secret)
+        verdict = ReadVerdict(pair.ctx.transceiver.instance_id, 1, transfer_id, True)
+        if proof != "none":
+            verdict = prove(verdict, _secret(ctx_request), impostor.name)
         impostor.notify(gen_agent.name, wire.encode(verdict))
         forged = lambda: pair.gen.transceiver.metrics.snapshot()["gen"]["forged_messages"]  # noqa: E731
         assert _wait_for(
@@ -321,7 +367,8 @@ def test_metadata_from_a_message_that_proves_nothing_is_never_loaded(pair_factor
         _wait_for(lambda: False, 1.5, listen)  # past the 1 s an early claim is parked for
         assert answers == [] and ctx_agent.live_handles["remotes"] == 0
         ctx_request = pair.prefill(1, 40)
-        stranger.notify(ctx_agent.name, wire.encode(ReadDone(instance, 1, 3, me, 1, proof=_secret(ctx_request))))
+        done = prove(ReadDone(instance, 1, 3, me, 1), _secret(ctx_request), stranger.name)
+        stranger.notify(ctx_agent.name, wire.encode(done))
         assert _wait_for(lambda: len(answers) == 1, progress=listen) and ctx_agent.live_handles["remotes"] == 1
         assert wire.decode(answers[0][1], ReadVerdict).request_id == 1
     finally:
@@ -345,7 +392,9 @@ def test_staging_slots_granted_to_a_reader_that_vanished_come_back_one_lease_aft
         reader.load_remote(ctx_agent.metadata(), ctx_agent.name)
         me, slots = reader.metadata(), len(staging.slots)
         for transfer_id in range(slots):
-            claim = StageClaim(instance, 1, 100 + transfer_id, me, 3, (0, 4), (0, 2), (0, 3), proof=secret)
+            claim = prove(
+                StageClaim(instance, 1, 100 + transfer_id, me, 3, (0, 4), (0, 2), (0, 3)), secret, reader.name
+            )
             reader.notify(ctx_agent.name, wire.encode(claim))
         grants: list = []
 
@@ -383,7 +432,7 @@ def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory
     peer = NixlAgent("eager-peer")
     try:
         peer.load_remote(ctx_agent.metadata(), ctx_agent.name)
-        watch = wire.encode(LayerWatch(instance, 77, peer.metadata(), secret))
+        watch = wire.encode(prove(LayerWatch(instance, 77, peer.metadata()), secret, peer.name))
         sent = MAX_PARKED_PER_REQUEST + 44
         for _ in range(sent):
             peer.notify(ctx_agent.name, watch)
