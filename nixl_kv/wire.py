@@ -20,7 +20,7 @@ import msgpack
 
 from nixl_kv.errors import WireFormatError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: control messages carry a MAC as their proof, not the secret
 MAX_MESSAGE_BYTES = 16 << 20
 _DEFAULT_MAX_STR = 1024
 _DEFAULT_MAX_BYTES = 64 << 10

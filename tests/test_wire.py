@@ -537,12 +537,13 @@ def test_rejection_names_the_field(base: Any, path: str, value: Any, field: str,
 @pytest.mark.parametrize(
     "key,value,problem",
     [
-        ("nixl_kv", 2, "unsupported wire version 2, this build speaks 1"),
-        ("nixl_kv", 0, "unsupported wire version 0, this build speaks 1"),
-        ("nixl_kv", True, "unsupported wire version True, this build speaks 1"),
-        ("nixl_kv", "1", "unsupported wire version '1', this build speaks 1"),
-        ("nixl_kv", 1.0, "unsupported wire version 1.0, this build speaks 1"),
-        ("nixl_kv", None, "unsupported wire version None, this build speaks 1"),
+        ("nixl_kv", 1, "unsupported wire version 1, this build speaks 2"),  # proofs were the secret itself
+        ("nixl_kv", 3, "unsupported wire version 3, this build speaks 2"),
+        ("nixl_kv", 0, "unsupported wire version 0, this build speaks 2"),
+        ("nixl_kv", True, "unsupported wire version True, this build speaks 2"),
+        ("nixl_kv", "2", "unsupported wire version '2', this build speaks 2"),
+        ("nixl_kv", 2.0, "unsupported wire version 2.0, this build speaks 2"),
+        ("nixl_kv", None, "unsupported wire version None, this build speaks 2"),
         ("type", "ReadDone", "expected one of ContextPhaseParams, got str 'ReadDone'"),
         ("type", "contextphaseparams", "expected one of ContextPhaseParams, got str 'contextphaseparams'"),
         ("type", 3, "expected one of ContextPhaseParams, got int 3"),
@@ -570,9 +571,12 @@ def test_wrong_class_is_a_type_tag_error() -> None:
     "data,problem",
     [
         (pack([1, "ContextPhaseParams", {}]), "not a nixl_kv envelope"),
-        (pack({"nixl_kv": 1, "type": "ContextPhaseParams"}), "not a nixl_kv envelope"),
-        (pack({"nixl_kv": 1, "type": "ContextPhaseParams", "body": {}, "x": 0}), "not a nixl_kv envelope"),
-        (pack({b"nixl_kv": 1, b"type": "ContextPhaseParams", b"body": {}}), "not a nixl_kv envelope"),
+        (pack({"nixl_kv": wire.WIRE_VERSION, "type": "ContextPhaseParams"}), "not a nixl_kv envelope"),
+        (
+            pack({"nixl_kv": wire.WIRE_VERSION, "type": "ContextPhaseParams", "body": {}, "x": 0}),
+            "not a nixl_kv envelope",
+        ),
+        (pack({b"nixl_kv": wire.WIRE_VERSION, b"type": "ContextPhaseParams", b"body": {}}), "not a nixl_kv envelope"),
         (pack({1: 1}), "not valid msgpack"),  # only str keys are allowed
         (b"", "not valid msgpack"),
         (b"\xc1", "not valid msgpack"),
@@ -627,7 +631,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
         assert_valid_object(result, type(result))
 
 
-ENVELOPE_PREFIXES = [pack({"nixl_kv": 1, "type": cls.__name__, "body": {}})[:-1] for cls in ALL_CLASSES]
+ENVELOPE_PREFIXES = [pack({"nixl_kv": wire.WIRE_VERSION, "type": cls.__name__, "body": {}})[:-1] for cls in ALL_CLASSES]
 
 
 @FUZZ
@@ -751,14 +755,14 @@ def test_fuzz_structural_mutation(data: st.DataObject) -> None:
 @FUZZ
 @given(st.sampled_from(ALL_CLASSES), MSGPACK_VALUES)
 def test_fuzz_arbitrary_body(cls: type, body: Any) -> None:
-    result = decode_or_wire_error(pack({"nixl_kv": 1, "type": cls.__name__, "body": body}), (cls,))
+    result = decode_or_wire_error(pack({"nixl_kv": wire.WIRE_VERSION, "type": cls.__name__, "body": body}), (cls,))
     if result is not None:
         assert_valid_object(result, cls)
 
 
 # --- hostile headers -------------------------------------------------------------------------------------------
 HUGE = b"\xff\xff\xff\xff"
-BODY_PREFIX = pack({"nixl_kv": 1, "type": "ContextPhaseParams", "body": {}})[:-1]
+BODY_PREFIX = pack({"nixl_kv": wire.WIRE_VERSION, "type": "ContextPhaseParams", "body": {}})[:-1]
 
 
 @pytest.mark.parametrize(
