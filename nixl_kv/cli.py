@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="FRACTION",
         help="inject a fault into this fraction of requests: corrupted params (must fail), forged control messages "
-        "from a third agent (must change nothing), a gen-side cancel (either way); never wrong bytes",
+        "from a third agent (must change nothing), a gen-side or a ctx-side cancel (either way); never wrong bytes",
     )
     pair.add_argument(
         "--ctx-fault",

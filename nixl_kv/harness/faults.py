@@ -6,6 +6,8 @@
   request's secret: they must change nothing, so the request must arrive intact.
 - ``cancel``: the gen side cancels the request right after starting it: it may end either way, never with wrong
   bytes.
+- ``ctx-cancel``: the ctx side cancels the request once the gen instance started reading it (racing its READs): it
+  may end either way, never with wrong bytes, and by its deadline.
 
 Faults of the ctx instance's processes hit every request of one round (``nixl-kv pair --ctx-fault``), right after
 the gen instance started reading them; those requests may end either way, never with wrong bytes, and must end by
@@ -27,7 +29,7 @@ from nixl_kv.errors import AgentError, WireFormatError
 from nixl_kv.protocol import NoReaders, ReadDone
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 
-FAULTS = ("corrupt", "forge", "cancel")
+FAULTS = ("corrupt", "forge", "cancel", "ctx-cancel")
 CTX_FAULTS = ("ctx-stop", "ctx-kill")
 
 
@@ -48,7 +50,7 @@ def as_expected(fault: str, verified: bool, error: str | None) -> bool:
     """Whether a request with ``fault`` ended as it must (a request without one must verify)."""
     if fault == "corrupt":
         return not verified and "fail their checksum" in (error or "")
-    if fault == "cancel" or fault in CTX_FAULTS:
+    if fault in ("cancel", "ctx-cancel") or fault in CTX_FAULTS:
         return True  # either way; a request that completed was verified byte by byte like any other
     return verified
 

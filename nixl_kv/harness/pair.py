@@ -469,6 +469,8 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
         ctx.signal(signal.SIGSTOP if ctx_fault == "stop" else signal.SIGKILL)
         say(f"round {round_index + 1}/{options.rounds}: ctx instance {'stopped' if ctx_fault == 'stop' else 'killed'}")
     gen.send(op="receive", items=items)
+    if cancelled := [item[1] for item in items if item[4] == "ctx-cancel"]:  # while the gen reads them
+        ctx.send(op="cancel", request_ids=cancelled)
     received = gen.expect("received", options.step_timeout_s)
     if ctx_fault == "stop":  # kept stopped past the lease (a ctx host that hung), then resumed
         time.sleep(max(0.0, faulted_at + options.model.lease_ms / 1000 + STOPPED_PAST_LEASE_S - time.monotonic()))

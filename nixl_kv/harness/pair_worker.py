@@ -342,6 +342,13 @@ class Instance:
         self.requests.extend(batch)
         return [(r.request_id, base64.b64encode(r.context_phase_params).decode()) for r in batch]
 
+    def cancel(self, request_ids: list[int]) -> None:
+        """Cancel this rank's part of these requests (``ctx-cancel``), as a ctx server whose client went away."""
+        wanted = set(request_ids)
+        for request in self.requests:
+            if request.request_id in wanted:
+                self.transceiver.cancel_request(request)
+
     def settle(self) -> dict[int, str]:
         self.transceiver.check_context_transfer_status(None, mark_complete=True)
         errors = {r.request_id: r.error or "" for r in self.requests if r.state is not RequestState.CONTEXT_COMPLETE}
@@ -615,6 +622,8 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                 comm.barrier()
                 if lead:
                     emit(op="connected")
+            elif op == "cancel":
+                instance.cancel(command["request_ids"])
             elif op == "settle":
                 errors = comm.allgather(instance.settle())
                 if lead:
