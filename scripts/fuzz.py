@@ -4,8 +4,10 @@ Three targets, ``--inputs`` mutated inputs each (100,000 by default):
 - the wire decoder, for the params, a ctx state and every control message: only ``WireFormatError`` may come
   out, and whatever decodes must encode back to bytes that decode to the same object;
 - ``NixlAgent.load_remote`` on mutated agent metadata: only ``AgentError``, and nothing left loaded after a
-  refusal; inputs that kill the process inside UCX or NIXL (SIGABRT, SIGSEGV: no Python code can catch that)
-  are counted and the last one is kept in ``fuzz_metadata_abort.hex``;
+  refusal. Twice: damaged blobs (whose checksum then fails), and blobs sealed again after the damage, as a sender
+  that means it would (the router or a reader holding the request's secret: trusted, docs/trust_model.md).
+  Inputs that kill the process inside UCX or NIXL (SIGABRT, SIGSEGV: no Python code can catch that) are counted
+  and the last one is kept in ``fuzz_metadata_abort.hex``;
 - a real gen transceiver fed mutated params of a live ctx request (``--requests`` of them, 2,000 by default;
   half of them sealed again after the damage, as a ctx side that made them so would, to get past the checksum):
   each must end (complete or error) by its deadline, and one that completes must hold the request's exact bytes
@@ -97,7 +99,7 @@ def fuzz_decoder(samples: list[bytes], inputs: int, rng: random.Random) -> None:
     )
 
 
-def fuzz_metadata(inputs: int, seed: int) -> None:
+def fuzz_metadata(inputs: int, seed: int, resealed: bool) -> None:
     """In child processes: a malformed blob can abort or crash the process inside UCX or NIXL. Each such input is
     counted (the last is kept in ``fuzz_metadata_abort.hex``) and the next child goes on after it."""
     start, aborts, counts = 0, 0, {"loaded": 0, "refused": 0}
@@ -105,7 +107,8 @@ def fuzz_metadata(inputs: int, seed: int) -> None:
     progress = Path(tempfile.mkdtemp()) / "index"
     while start < inputs:
         child = subprocess.run(
-            [sys.executable, __file__, "--metadata-child", str(start), str(inputs), str(seed), str(progress)],
+            [sys.executable, __file__, "--metadata-child", str(start), str(inputs), str(seed), str(progress)]
+            + ["--resealed"] * resealed,
             capture_output=True,
         )
         if child.returncode == 0:
@@ -124,20 +127,22 @@ def fuzz_metadata(inputs: int, seed: int) -> None:
         Path("fuzz_metadata_abort.hex").write_text(data_hex)
         start = int(at) + 1
     print(
-        f"agent metadata: {inputs} inputs, {counts['loaded']} loaded, {counts['refused']} refused, {aborts} killed "
+        f"agent metadata, {'sealed again' if resealed else 'damaged'}: {inputs} inputs, {counts['loaded']} loaded, "
+        f"{counts['refused']} refused, {aborts} killed "
         f"the process inside UCX/NIXL (SIGABRT or SIGSEGV) ({time.monotonic() - began:.0f} s)"
     )
 
 
-def metadata_child(start: int, inputs: int, seed: int, progress: Path) -> None:
-    from nixl_kv.agents.nixl_agent import NixlAgent
+def metadata_child(start: int, inputs: int, seed: int, progress: Path, resealed: bool) -> None:
+    from nixl_kv.agents.nixl_agent import NixlAgent, seal_metadata, unseal_metadata
 
     owner, target = NixlAgent("fuzz-owner"), NixlAgent("fuzz-target")
-    real = target.metadata()
+    real = unseal_metadata(target.metadata()) if resealed else target.metadata()
     loaded = refused = 0
     try:
         for index in range(start, inputs):
             data = mutate(real, random.Random(seed * 1_000_003 + index))
+            data = seal_metadata(data) if resealed else data
             progress.write_text(f"{index} {loaded} {refused} {data.hex()}")  # read back if UCX aborts
             try:
                 owner.load_remote(data, target.name)
@@ -213,15 +218,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", choices=("decoder", "metadata", "transceiver"))
     parser.add_argument("--metadata-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--resealed", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.metadata_child:
         start, inputs, seed, progress = options.metadata_child
-        metadata_child(int(start), int(inputs), int(seed), Path(progress))
+        metadata_child(int(start), int(inputs), int(seed), Path(progress), options.resealed)
         return
     rng = random.Random(options.seed)
-    targets: dict[str, Callable[[], None]] = {
+    targets: dict[str, Callable[[], object]] = {
         "decoder": lambda: fuzz_decoder(samples(), options.inputs, rng),
-        "metadata": lambda: fuzz_metadata(options.inputs, options.seed),
+        "metadata": lambda: (
+            fuzz_metadata(options.inputs, options.seed, resealed=False),
+            fuzz_metadata(options.inputs, options.seed, resealed=True),
+        ),
         "transceiver": lambda: fuzz_transceiver(options.requests, rng),
     }
     for name, run in targets.items():

@@ -84,8 +84,12 @@ def test_reply_needs_the_readers_metadata(agents: tuple[NixlAgent, NixlAgent]) -
 
 def test_garbage_metadata_and_unregistered_memory_are_agent_errors(agents: tuple[NixlAgent, NixlAgent]) -> None:
     ctx, gen = agents
-    with pytest.raises(AgentError, match="load remote metadata"):
+    from nixl_kv.agents.nixl_agent import seal_metadata
+
+    with pytest.raises(AgentError, match="damaged: its checksum fails"):
         gen.load_remote(b"not metadata at all" * 4, "test-ctx")
+    with pytest.raises(AgentError, match="load remote metadata"):  # what a sender that seals garbage gets
+        gen.load_remote(seal_metadata(b"not metadata at all" * 4), "test-ctx")
     source = np.ones(4096, dtype=np.uint8)
     ctx.register([_region(source)])
     gen.load_remote(ctx.metadata(), "test-ctx")
@@ -121,9 +125,13 @@ def test_peer_directory_forgets_idle_agents_beyond_its_bound() -> None:
 
 
 def _renamed(metadata: bytes, old: str, new: bytes) -> bytes:
-    """Agent metadata with the agent's name replaced (same length: the blob keeps its framing)."""
-    assert len(new) == len(old) and metadata.count(old.encode()) == 1
-    return metadata.replace(old.encode(), new)
+    """Agent metadata with the agent's name replaced (same length: the blob keeps its framing), sealed again (as a
+    sender that means it would)."""
+    from nixl_kv.agents.nixl_agent import seal_metadata, unseal_metadata
+
+    body = unseal_metadata(metadata)
+    assert len(new) == len(old) and body.count(old.encode()) == 1
+    return seal_metadata(body.replace(old.encode(), new))
 
 
 @pytest.mark.parametrize("given", ["not UTF-8", "another new agent"])
@@ -176,7 +184,7 @@ def test_a_notification_from_an_agent_whose_name_is_not_text_is_dropped_not_rais
     ctx, gen = agents
     hostile = nixl_agent(b"hostile-\xff", nixl_agent_config(backends=["UCX"]))
     try:
-        hostile.add_remote_agent(ctx.metadata())
+        hostile.add_remote_agent(ctx._agent.get_agent_metadata())  # (a raw NIXL agent: unsealed)
         hostile.send_notif("test-ctx", b"from a bad name")
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:

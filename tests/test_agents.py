@@ -233,8 +233,6 @@ def test_malformed_metadata_is_refused_and_loaded_peers_stay(pair: Pair) -> None
 
 
 KNOWN_GAPS = {
-    ("NIXL", "truncated"): "NIXL 1.5.1 parses the name of one-byte-short metadata, fails, then unloads the live "
-    "agent of that name (loadRemoteMD: NIXL_ERR_NOT_FOUND); NixlAgent cannot undo it",
     ("MPI", "dead peer"): "an MPI agent reads only ranks of its own MPI world; the peer started here is a world of "
     "its own, so its metadata is refused (AgentError at load_remote). "
     "test_mpi_read_from_a_dead_rank_fails_within_a_deadline runs the same check in one mpiexec job",

@@ -58,9 +58,12 @@ def test_a_ctx_state_with_unusable_metadata_fails_that_request_only(pair_factory
     pair = pair_factory()
     ctx_agent = pair.ctx.transceiver._agent
     if metadata == "name not UTF-8":
+        from nixl_kv.agents.nixl_agent import seal_metadata, unseal_metadata
+
+        body = unseal_metadata(ctx_agent.metadata())  # renamed and sealed again, so that NIXL parses it
         changes = {
-            "agent_metadata": ctx_agent.metadata().replace(
-                ctx_agent.name.encode(), ctx_agent.name.encode()[:-1] + b"\xff"
+            "agent_metadata": seal_metadata(
+                body.replace(ctx_agent.name.encode(), ctx_agent.name.encode()[:-1] + b"\xff")
             )
         }
     else:
