@@ -1,7 +1,8 @@
 """The short soak: ctx and gen in two network namespaces over UCX TCP (scripts/soak.sh, 15 rounds a phase, ~1,000
-requests, about 90 s).
+requests, about 3 minutes).
 
-Needs root and iproute2 (CI here runs as root): the script creates and removes its own namespaces."""
+Needs root and iproute2 (CI here runs as root): the script creates and removes its own namespaces, and the TAP
+devices of its userspace netem relay (nixl_kv.harness.netem, on /dev/net/tun) for the delayed, reordered phase."""
 
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def test_two_namespaces_with_faults_a_mixed_pairing_deadlines_a_stopped_and_a_ki
     if shutil.which("nft"):  # random TCP loss both ways (nftables): transfers may fail by their deadline, never wrong
         lossy = rows["2% of TCP segments lost, faults in 10%"]
         assert int(lossy[0]) == 60 and lossy[5] == "0" and lossy[7] == "no" and lossy[8] == "none", lossy
+    if Path("/dev/net/tun").exists():  # frames delayed 5 +- 4 ms (so reordered) and 0.5% dropped by the userspace
+        # netem relay: transfers may fail by their deadline, never with wrong bytes, a hang or a leak
+        jittery = rows["5+-4 ms delay, reordered, 0.5% lost, faults in 10%"]
+        assert int(jittery[0]) == 60 and jittery[5] == "0" and jittery[7] == "no" and jittery[8] == "none", jittery
+        relay = re.search(
+            r"netem relay in the 5\+-4 ms delay.* phase: (\d+) frames relayed, (\d+) reordered, (\d+) dropped, "
+            r"\d+ undeliverable; exit status 0\)",
+            result.stdout,
+        )
+        assert relay and int(relay[1]) > 1000 and int(relay[2]) > 0 and int(relay[3]) > 0, result.stdout[-1000:]
     totals = re.search(
         r"totals: (\d+) requests, (\d+) with an injected fault .*, 0 wrong elements, 0 hangs", result.stdout
     )

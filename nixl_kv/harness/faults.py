@@ -31,6 +31,7 @@ from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 
 FAULTS = ("corrupt", "forge", "cancel", "ctx-cancel")
 CTX_FAULTS = ("ctx-stop", "ctx-kill")
+FORGER_PUSH_S = 0.05  # the forger's sends need UCX progress for a few round trips (5 ms was too short at 10 ms RTT)
 
 
 def choose(fraction: float, request_id: int) -> str:
@@ -80,7 +81,7 @@ class Forger:
                 self.agent.load_remote(rank.agent_metadata, rank.agent_name)
                 for message in messages:
                     self.agent.notify(rank.agent_name, wire.encode(message))
-        deadline = time.monotonic() + 0.005
+        deadline = time.monotonic() + FORGER_PUSH_S
         while time.monotonic() < deadline:  # no progress thread: let UCX push the sends out
             self.agent.poll_notifications()
 
