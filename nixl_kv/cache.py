@@ -183,6 +183,12 @@ class PagedKVCache:
                 self.rnn.slots.free([entry.slot])
 
     @property
+    def pinned_requests(self) -> int:
+        """Requests whose blocks a transfer still pins (none once every transfer has ended)."""
+        with self._lock:
+            return sum(entry.pins > 0 for entry in self._requests.values())
+
+    @property
     def rnn_layout(self) -> RnnLayout | None:
         return None if self.rnn is None else self.rnn.layout
 

@@ -653,11 +653,22 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
         if baseline is not None:
             baseline.close()
         instance.close()
-    live = comm.allgather(instance.transceiver._agent.live_handles)  # all zero: close released everything
+    live = comm.allgather(_left_after_close(instance))
     forged = sum(comm.allgather(instance.transceiver.metrics.snapshot()[role]["forged_messages"]))
     if lead:
         live_total = {name: sum(counts[name] for counts in live) for name in live[0]}
         emit(op="bye", live=live_total, rss_kb=_rss_kb(), forged_messages=forged)
+
+
+def _left_after_close(instance: Instance) -> dict[str, int]:
+    """What the instance still holds after close (all zero): the agent's handles, pinned requests, staging slots
+    not free (leased or poisoned)."""
+    staging = instance.transceiver._staging
+    return {
+        **instance.transceiver._agent.live_handles,
+        "pinned requests": instance.cache.pinned_requests,
+        "staging slots in use": len(staging.slots) - staging.free_slots,
+    }
 
 
 def _rss_kb() -> int:
