@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the gen instance meets the ctx instance (CacheTransceiver.connect_to) before the first request",
     )
+    pair.add_argument(
+        "--no-raw-read",
+        dest="raw_read",
+        action="store_false",
+        help="skip the raw READ baselines after the rounds (no ratio: for soaks, where the link may be slow)",
+    )
     pair.add_argument("--lease-ms", type=int, default=60_000, help="how long the ctx side holds a request's blocks")
     pair.add_argument(
         "--faults",
@@ -239,6 +245,7 @@ def _pair(args: argparse.Namespace) -> int:
         args.rounds,
         placement=args.placement,
         connect_ahead=args.connect_ahead,
+        raw_read=args.raw_read,
         faults=args.faults,
         ctx_fault=args.ctx_fault,
         ctx_netns=args.ctx_netns,

@@ -866,14 +866,23 @@ class CacheReceiver:
             if agent.status(stuck.handle) is TransferStatus.IN_PROGRESS or not agent.release_transfer(stuck.handle):
                 stuck.retry_at = now + STUCK_RETRY_S
                 continue
-            self._stuck.remove(stuck)
-            if stuck.slot is not None:
-                self._staging.clear_poison(stuck.slot)
-            if stuck.landing is not None:
-                self._landing.give(stuck.landing)
-            if not any(s.key == stuck.key and s.request_id == stuck.request_id for s in self._stuck):
-                self.poisoned.pop(stuck.key, None)
-                self._cache.unpin(stuck.request_id)
+            self._release_stuck(stuck)
+
+    def release_stuck_at_close(self) -> None:
+        """Once the agent is closed (its memory deregistered, its endpoints gone), no abandoned READ can land any
+        more: the destinations still poisoned come back (pins, staging slots, landing windows)."""
+        for stuck in list(self._stuck):
+            self._release_stuck(stuck)
+
+    def _release_stuck(self, stuck: _Stuck) -> None:
+        self._stuck.remove(stuck)
+        if stuck.slot is not None:
+            self._staging.clear_poison(stuck.slot)
+        if stuck.landing is not None:
+            self._landing.give(stuck.landing)
+        if not any(s.key == stuck.key and s.request_id == stuck.request_id for s in self._stuck):
+            self.poisoned.pop(stuck.key, None)
+            self._cache.unpin(stuck.request_id)
 
     def _advance(self, incoming: _Incoming, now: float) -> None:
         for peer in incoming.peers:

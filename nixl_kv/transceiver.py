@@ -316,10 +316,12 @@ class CacheTransceiver:
             self._gen.summary.close()
 
     def _release_deferred_at_close(self) -> None:
-        """Blocks kept to a hold promise go back now: the agent is closed, no READ reaches this rank any more. Not
-        while the loop thread still runs (it did not stop in time): it releases them itself."""
+        """Blocks kept to a hold promise, and gen destinations of READs that could not be cancelled, go back now:
+        the agent is closed, no READ reaches this rank or lands here any more. Not while the loop thread still
+        runs (it did not stop in time): it releases them itself."""
         if self._loop.stopped:
             self._sender.release_deferred(everything=True)
+            self._receiver.release_stuck_at_close()
         else:
             log.error("the progress loop is still running: blocks kept to hold promises are left to it")
 

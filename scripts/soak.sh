@@ -46,7 +46,7 @@ wait_up() {  # UCX finds no TCP device on a veth whose carrier is not up yet (NI
 }
 export UCX_TLS=tcp,self UCX_NET_DEVICES=nkv-soak-c,nkv-soak-g
 PAIR=(python -m nixl_kv.cli pair --ctx-netns "$CTX" --gen-netns "$GEN" --lease-ms "$LEASE_MS" --json
-  --layers 4 --kv-heads 4 --head-dim 64 --tokens-per-block 16 --requests 1,40,300,1000)
+  --layers 4 --kv-heads 4 --head-dim 64 --tokens-per-block 16 --requests 1,40,300,1000 --no-raw-read)
 read -r -d '' ROW <<'PY'
 import json, sys
 phase, rc, lease_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])

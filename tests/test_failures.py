@@ -182,6 +182,24 @@ def test_an_abandoned_read_poisons_its_destination_until_it_leaves_in_progress(p
     assert pair.gen.cache.free_blocks == pair.shape.num_blocks  # freed once the READ left in progress
 
 
+def test_close_returns_the_destination_of_a_read_still_in_flight(pair_factory) -> None:
+    """A READ abandoned at its deadline and still in progress when the gen transceiver closes: once the agent is
+    closed (memory deregistered, endpoints gone) nothing can land, so close unpins its blocks (they once stayed
+    pinned for good, which the soak's new leftover count found)."""
+    pair = pair_factory()
+    request = pair.gen_request(5, pair.prefill(1, 40))
+    agent = pair.gen.transceiver._agent
+    agent.status = lambda handle: TransferStatus.IN_PROGRESS  # the READ never leaves in progress
+    pair.gen.transceiver.request_and_receive_async(request)
+    time.sleep(0.1)
+    assert pair.gen.transceiver.cancel_request(request) and _poll_gen(pair, 5) == "error"
+    pair.gen.cache.free(5)
+    assert pair.gen.cache.pinned_requests == 1 and pair.gen.transceiver.has_poisoned_transfer_buffer()
+    pair.gen.transceiver.close()
+    assert pair.gen.cache.pinned_requests == 0 and pair.gen.cache.free_blocks == pair.shape.num_blocks
+    assert not pair.gen.transceiver._receiver.poisoned
+
+
 # --- a dead ctx process -----------------------------------------------------------------------------------------------
 def test_a_ctx_process_killed_mid_transfer_ends_gen_requests_in_error_and_gen_goes_on(pair_factory) -> None:
     pair = pair_factory()

@@ -148,6 +148,7 @@ class PairOptions:
     step_timeout_s: float = 300.0
     placement: str = "default"  # one of PLACEMENTS; only GPUs are placed
     connect_ahead: bool = False  # the gen instance meets the ctx instance before the first request
+    raw_read: bool = True  # measure the raw READ baselines after the rounds (the soak skips them: it gives no ratio)
     faults: float = 0.0  # this fraction of requests gets one of harness.faults.FAULTS
     ctx_fault: str = ""  # "stop" or "kill": every ctx process, in the middle round (harness.faults.CTX_FAULTS)
     ctx_netns: str = ""  # run the ctx instance inside this network namespace (``ip netns exec``; root)
@@ -432,6 +433,8 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             if options.ctx_fault == "kill" and round_index == options.rounds // 2:
                 say("the ctx instance was killed: no more rounds, no raw READ")
                 return report
+        if not options.raw_read:
+            return report
         say(f"measuring a raw {report.backend} READ of the same bytes")
         block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
