@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from nixl_kv.errors import NotSupportedError
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind
 from nixl_kv.memory import array_module, on_device
 from nixl_kv.views import gather, scatter
@@ -72,6 +73,8 @@ def _element_strides(layout: KVLayout) -> tuple[int, int, int, int, int]:
         return L * K * H * T * D, K * H * T * D, H * T * D, T * D, D
     if layout.kind is LayoutKind.PER_LAYER_NHD:
         return T * H * D, 0, 0, D, H * D
+    if layout.kind is LayoutKind.PER_LAYER_HKND:  # vLLM's CPU layout: no VRAM pools are ever laid out so
+        raise NotSupportedError("per_layer_hknd pools are DRAM only (vLLM's CPU backend)")
     return H * T * D, 0, 0, T * D, D
 
 

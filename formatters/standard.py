@@ -280,4 +280,6 @@ def _direct_run_bytes(local: KVLayout, remote: KVLayout, piece: PeerSlice, mine:
     all_heads = len(piece.heads) == len(mine.heads) == len(theirs.heads)
     if not local.heads_inner:
         return local.chunk_bytes if all_heads else 0
+    if not (local.heads_adjacent and remote.heads_adjacent):  # HKND: K and V of a head lie between heads
+        return local.unit_bytes
     return local.chunk_bytes if all_heads else len(piece.heads) * local.unit_bytes

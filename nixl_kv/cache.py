@@ -89,6 +89,8 @@ class PagedKVCache:
             shapes = [(self.num_blocks, L, K, H, T, D)]
         elif self.kind is LayoutKind.PER_LAYER_NHD:
             shapes = [(self.num_blocks, T, H, D)] * (L * K)
+        elif self.kind is LayoutKind.PER_LAYER_HKND:
+            shapes = [(self.num_blocks, H, K, T, D)] * L
         else:
             shapes = [(self.num_blocks, H, T, D)] * (L * K)
         self.pools = [allocate(shape, self.dtype.storage, self.memory, self.device_id) for shape in shapes]

@@ -15,11 +15,14 @@ class LayoutKind(str, Enum):
     layers (the reference cache manager's layout).
     PER_LAYER_NHD: one pool per (layer, kv) ``[block, token, head, dim]`` (vLLM's layout).
     PER_LAYER_HND: one pool per (layer, kv) ``[block, head, token, dim]``.
+    PER_LAYER_HKND: one pool per layer ``[block, head, kv, token, dim]`` (vLLM's CPU attention backend: each head's
+    K tokens, then its V tokens).
     """
 
     BLOCK_MAJOR = "block_major"
     PER_LAYER_NHD = "per_layer_nhd"
     PER_LAYER_HND = "per_layer_hnd"
+    PER_LAYER_HKND = "per_layer_hknd"
 
 
 class MemoryKind(str, Enum):
@@ -58,7 +61,9 @@ class KVLayout:
 
     @property
     def num_pools(self) -> int:
-        return 1 if self.kind is LayoutKind.BLOCK_MAJOR else self.num_layers * self.kv_factor
+        if self.kind is LayoutKind.BLOCK_MAJOR:
+            return 1
+        return self.num_layers if self.kind is LayoutKind.PER_LAYER_HKND else self.num_layers * self.kv_factor
 
     @property
     def chunk_bytes(self) -> int:
@@ -69,6 +74,8 @@ class KVLayout:
     def segment_bytes(self) -> int:
         if self.kind is LayoutKind.BLOCK_MAJOR:
             return self.num_layers * self.kv_factor * self.chunk_bytes
+        if self.kind is LayoutKind.PER_LAYER_HKND:
+            return self.kv_factor * self.chunk_bytes
         return self.chunk_bytes
 
     @property
@@ -101,6 +108,11 @@ class KVLayout:
         return found
 
     @property
+    def heads_adjacent(self) -> bool:
+        """True when consecutive heads of one (layer, kv) follow each other in memory (a head range is one run)."""
+        return self.kind in (LayoutKind.BLOCK_MAJOR, LayoutKind.PER_LAYER_HND)
+
+    @property
     def heads_inner(self) -> bool:
         """True when each head's tokens are contiguous (``[.., head, token, dim]``): head ranges read directly."""
         return self.kind is not LayoutKind.PER_LAYER_NHD
@@ -125,6 +137,8 @@ class KVLayout:
             return 1
         if self.kind is LayoutKind.BLOCK_MAJOR:
             return self.num_layers * self.kv_factor * self.num_heads
+        if self.kind is LayoutKind.PER_LAYER_HKND:
+            return self.num_heads * self.kv_factor
         return self.num_heads
 
     def unit_addresses(self, indices: np.ndarray, coarse: bool) -> np.ndarray:
@@ -140,6 +154,9 @@ class KVLayout:
         b = np.asarray(blocks, dtype=np.int64)
         if self.kind is LayoutKind.BLOCK_MAJOR:
             return b.astype(np.int32)
+        if self.kind is LayoutKind.PER_LAYER_HKND:
+            per_layer = np.arange(layers.start, layers.stop, dtype=np.int64)
+            return (per_layer[:, None] * self.num_blocks + b[None, :]).reshape(-1).astype(np.int32)
         chunks = np.arange(layers.start * self.kv_factor, layers.stop * self.kv_factor, dtype=np.int64)
         return (chunks[:, None] * self.num_blocks + b[None, :]).reshape(-1).astype(np.int32)
 
@@ -161,6 +178,8 @@ class KVLayout:
             index = ((grid["b"] * L + grid["l"]) * K + grid["k"]) * H + grid["h"]
         elif self.kind is LayoutKind.PER_LAYER_HND:
             index = ((grid["l"] * K + grid["k"]) * NB + grid["b"]) * H + grid["h"]
+        elif self.kind is LayoutKind.PER_LAYER_HKND:
+            index = ((grid["l"] * NB + grid["b"]) * H + grid["h"]) * K + grid["k"]
         else:
             index = (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
         return np.ascontiguousarray(index, dtype=np.int32).reshape(-1)
@@ -168,6 +187,8 @@ class KVLayout:
     def chunk_addresses(self, blocks: np.ndarray, layers: range, block_first: bool) -> np.ndarray:
         """Addresses of a box's (block, layer, kv) chunks (all heads), ordered (block, layer, kv) when
         ``block_first`` else (layer, kv, block); both sides of a read list a box in the same order."""
+        if self.kind is LayoutKind.PER_LAYER_HKND:
+            raise ValueError("a per_layer_hknd chunk is not contiguous: address it by head units")
         b = np.asarray(blocks, dtype=np.int64)
         chunks = np.arange(layers.start * self.kv_factor, layers.stop * self.kv_factor, dtype=np.int64)
         if self.kind is LayoutKind.BLOCK_MAJOR:

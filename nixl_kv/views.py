@@ -18,12 +18,15 @@ from nixl_kv.memory import array_module
 
 def pool_views(layout: KVLayout) -> list[Any]:
     """One array per pool: ``[block, layer, kv, head, token, dim]`` for BLOCK_MAJOR, ``[block, token, head,
-    dim]`` (NHD) or ``[block, head, token, dim]`` (HND) for the per-layer kinds. The memory is not owned."""
+    dim]`` (NHD), ``[block, head, token, dim]`` (HND) or ``[block, head, kv, token, dim]`` (HKND, a pool per layer)
+    for the per-layer kinds. The memory is not owned."""
     L, K, H, T, D = layout.num_layers, layout.kv_factor, layout.num_heads, layout.tokens_per_block, layout.head_dim
     if layout.kind is LayoutKind.BLOCK_MAJOR:
         shape = (layout.num_blocks, L, K, H, T, D)
     elif layout.kind is LayoutKind.PER_LAYER_NHD:
         shape = (layout.num_blocks, T, H, D)
+    elif layout.kind is LayoutKind.PER_LAYER_HKND:
+        shape = (layout.num_blocks, H, K, T, D)
     else:
         shape = (layout.num_blocks, H, T, D)
     dtype = np.dtype(f"u{layout.itemsize}")
@@ -53,13 +56,21 @@ def gather(layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads
     out = xp.empty((len(layers), layout.kv_factor, len(heads), n * T, layout.head_dim), dtype=views[0].dtype)
     for i, layer in enumerate(layers):
         for kv in range(layout.kv_factor):
-            pool = views[layer * layout.kv_factor + kv]
+            chunk = _chunk(layout, views, layer, kv)
             if layout.kind is LayoutKind.PER_LAYER_NHD:
-                chunk = pool[index, :, hs].transpose(2, 0, 1, 3)  # [n, T, h, D] -> [h, n, T, D]
+                part = chunk[index, :, hs].transpose(2, 0, 1, 3)  # [n, T, h, D] -> [h, n, T, D]
             else:
-                chunk = pool[index, hs].transpose(1, 0, 2, 3)  # [n, h, T, D] -> [h, n, T, D]
-            out[i, kv] = chunk.reshape(len(heads), n * T, layout.head_dim)
+                part = chunk[index, hs].transpose(1, 0, 2, 3)  # [n, h, T, D] -> [h, n, T, D]
+            out[i, kv] = part.reshape(len(heads), n * T, layout.head_dim)
     return out
+
+
+def _chunk(layout: KVLayout, views: list[Any], layer: int, kv: int) -> Any:
+    """The (layer, kv) pool as ``[block, token, head, dim]`` (NHD) or ``[block, head, token, dim]`` (a strided view
+    of the layer's pool for HKND)."""
+    if layout.kind is LayoutKind.PER_LAYER_HKND:
+        return views[layer][:, :, kv]
+    return views[layer * layout.kv_factor + kv]
 
 
 def scatter(layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range, values: Any) -> None:
@@ -74,8 +85,8 @@ def scatter(layout: KVLayout, views: list[Any], blocks: Any, layers: range, head
         return
     for i, layer in enumerate(layers):
         for kv in range(layout.kv_factor):
-            pool = views[layer * layout.kv_factor + kv]
+            chunk = _chunk(layout, views, layer, kv)
             if layout.kind is LayoutKind.PER_LAYER_NHD:
-                pool[index, :, hs] = boxed[i, kv].transpose(1, 2, 0, 3)  # [n, T, h, D]
+                chunk[index, :, hs] = boxed[i, kv].transpose(1, 2, 0, 3)  # [n, T, h, D]
             else:
-                pool[index, hs] = boxed[i, kv].transpose(1, 0, 2, 3)  # [n, h, T, D]
+                chunk[index, hs] = boxed[i, kv].transpose(1, 0, 2, 3)  # [n, h, T, D]

@@ -183,7 +183,8 @@ def test_cache_layout_matches_its_pools(kind: LayoutKind) -> None:
     layout = cache.layout
     assert layout.problems() == []
     assert layout.itemsize == 4
-    assert len(cache.pools) == layout.num_pools == (1 if kind is LayoutKind.BLOCK_MAJOR else L * 2)
+    pools = {LayoutKind.BLOCK_MAJOR: 1, LayoutKind.PER_LAYER_HKND: L}.get(kind, L * 2)
+    assert len(cache.pools) == layout.num_pools == pools
     for pool, region in zip(cache.pools, layout.pools, strict=True):
         assert pool.dtype == np.uint32
         assert region.address == pool.ctypes.data

@@ -47,7 +47,7 @@ def test_every_element_arrives_for_lengths_around_the_block_size(pair_factory, d
     assert pair.ctx.cache.free_blocks == pair.shape.num_blocks
 
 
-@pytest.mark.parametrize("kind", [LayoutKind.PER_LAYER_NHD, LayoutKind.PER_LAYER_HND])
+@pytest.mark.parametrize("kind", [LayoutKind.PER_LAYER_NHD, LayoutKind.PER_LAYER_HND, LayoutKind.PER_LAYER_HKND])
 def test_per_layer_pools_move_directly(pair_factory, kind: LayoutKind) -> None:
     pair = pair_factory(ctx_kind=kind, gen_kind=kind)
     ctx_request = pair.prefill(3, 40)
@@ -178,6 +178,10 @@ def test_incompatible_model_is_refused_before_any_byte_moves(pair_factory) -> No
         (LayoutKind.PER_LAYER_NHD, LayoutKind.BLOCK_MAJOR),
         (LayoutKind.PER_LAYER_HND, LayoutKind.PER_LAYER_NHD),
         (LayoutKind.BLOCK_MAJOR, LayoutKind.PER_LAYER_HND),
+        (LayoutKind.PER_LAYER_HKND, LayoutKind.PER_LAYER_HND),
+        (LayoutKind.PER_LAYER_HND, LayoutKind.PER_LAYER_HKND),
+        (LayoutKind.PER_LAYER_HKND, LayoutKind.BLOCK_MAJOR),
+        (LayoutKind.PER_LAYER_NHD, LayoutKind.PER_LAYER_HKND),
     ],
 )
 def test_different_pool_layouts_meet(pair_factory, ctx_kind: LayoutKind, gen_kind: LayoutKind) -> None:

@@ -48,7 +48,7 @@ CTX_FAULTS = ("stop", "kill")
 
 
 PLACEMENTS = ("default", "split")  # GPUs: ranks in order, ctx first; or every ctx rank on GPU 0, every gen rank on 1
-LAYOUTS = {"block_major": "block_major", "nhd": "per_layer_nhd", "hnd": "per_layer_hnd"}
+LAYOUTS = {"block_major": "block_major", "nhd": "per_layer_nhd", "hnd": "per_layer_hnd", "hknd": "per_layer_hknd"}
 
 
 CTX_HEADROOM_BYTES = 1 << 30
