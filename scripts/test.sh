@@ -2,6 +2,7 @@
 # The whole test suite (lint included), on a fresh machine or a reused venv. Arguments go to pytest.
 source "$(dirname "$0")/_env.sh"
 source scripts/system_deps.sh
+source scripts/vllm_env.sh  # the venv tests/test_vllm.py runs real vLLM servers from
 ruff check .
 ruff format --check .
 status=0

@@ -1,0 +1,178 @@
+"""``scripts/bench_vllm.sh``: nixl_kv's connector, vLLM's NixlConnector and aggregated vLLM, side by side in one run.
+
+Each configuration runs alone on the machine (its servers start, serve every cell, stop), on the same checkpoint
+and the same prompts: a few layers, wide enough that a request's KV is several MiB. The connectors are the timed
+subclasses (``nixl_kv.vllm.timing``), so their host time is measured the same way. Per cell (prompt length,
+concurrency): time to first token at the client (p50/p99), the transfer's own time per request from each
+connector's Prometheus histogram, decode tokens per second, the connector's hook time per request, and whether
+every output equals aggregated vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from nixl_kv.vllm.client import Completion, complete, prompt_of, scrape
+from nixl_kv.vllm.launch import Instance, VllmServers, make_model
+
+TRANSFER_METRIC = {"nixl_kv": "vllm:nixl_kv_transfer_seconds", "nixl": "vllm:nixl_xfer_time_seconds"}
+CONFIGURATIONS = ("nixl_kv", "nixl", "aggregated")
+
+
+@dataclass(frozen=True)
+class Cell:
+    configuration: str
+    length: int
+    concurrency: int
+    requests: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    transfer_ms: float | None  # the connector's own, per request (mean of its histogram over the cell)
+    hook_ms_per_request: float | None
+    decode_tokens_per_s: float
+    identical: int  # requests whose tokens equal aggregated vLLM's (aggregated: to itself)
+    tokens: tuple[tuple[int, ...], ...] = ()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench_vllm.sh", description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="256,1024,4096")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--requests", type=int, default=16, help="requests per cell")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model-bench"))
+    parser.add_argument("--json", type=Path, help="also write the cells here")
+    args = parser.parse_args(argv)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    concurrencies = [int(n) for n in args.concurrency.split(",")]
+    model = make_model(args.model_dir, layers=args.layers)
+    kv_mib = args.layers * 2 * 2 * 64 * 4 * max(lengths) / 2**20
+    print(f"[bench] {args.layers} layers, KV {kv_mib:.0f} MiB at {max(lengths)} tokens", file=sys.stderr)
+    first_contact: dict[str, float] = {}
+    cells: dict[str, list[Cell]] = {}
+    for configuration in ("aggregated", "nixl_kv", "nixl"):  # aggregated first: its tokens are the reference
+        reference = cells.get("aggregated")
+        cells[configuration], first_contact[configuration] = run_configuration(
+            configuration, model, lengths, concurrencies, args, reference
+        )
+    print_table(cells, first_contact)
+    if args.json:
+        payload = {
+            "first_contact_ttft_ms": first_contact,
+            "cells": {k: [asdict(c) for c in v] for k, v in cells.items()},
+        }
+        args.json.write_text(json.dumps(payload, indent=1))
+    all_identical = all(c.identical == c.requests for cs in cells.values() for c in cs)
+    return 0 if all_identical else 1
+
+
+def run_configuration(
+    configuration: str, model: Path, lengths: list[int], concurrencies: list[int], args: argparse.Namespace,
+    reference: list[Cell] | None,
+) -> tuple[list[Cell], float]:  # fmt: skip
+    hook_dir = Path(tempfile.mkdtemp(prefix="nixl_kv_hooks_"))
+    import os
+
+    os.environ["NIXL_KV_HOOK_TIMES"] = str(hook_dir)
+    max_len = max(lengths) + args.max_tokens + 64
+    with VllmServers(model, max_model_len=max_len, kv_cache_gib=2) as servers:
+        if configuration == "aggregated":
+            entry = servers.start(Instance(), "aggregated")
+            decode = None
+        else:
+            timed = f"{configuration}-timed"
+            prefill = servers.start(Instance("kv_producer", timed), "prefill")
+            decode = servers.start(Instance("kv_consumer", timed), "decode")
+            entry = servers.start_router([prefill], [decode])
+        started = time.monotonic()
+        servers.wait()
+        print(f"[bench] {configuration}: up after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        client = httpx.Client(timeout=300)
+        first = complete(client, entry.url, prompt_of(1024, seed=999), args.max_tokens)
+        results = []
+        for length in lengths:
+            for concurrency in concurrencies:
+                want = None
+                if reference is not None:
+                    want = next(c.tokens for c in reference if (c.length, c.concurrency) == (length, concurrency))
+                results.append(
+                    measure(client, configuration, entry.url, decode, hook_dir, length, concurrency, args, want)
+                )
+                print(f"[bench] {results[-1]}"[:200], file=sys.stderr, flush=True)
+    return results, round(first.first_token_s * 1e3, 1)
+
+
+def measure(
+    client: httpx.Client, configuration: str, url: str, decode: object, hook_dir: Path, length: int,
+    concurrency: int, args: argparse.Namespace, want: tuple[tuple[int, ...], ...] | None,
+) -> Cell:  # fmt: skip
+    prompts = [prompt_of(length, seed=concurrency * 10_000 + i) for i in range(args.requests)]
+    metric = TRANSFER_METRIC.get(configuration)
+    before = scrape(client, decode.url) if decode is not None else {}
+    hooks_before = hook_seconds(hook_dir)
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers: list[Completion] = list(pool.map(lambda p: complete(client, url, p, args.max_tokens), prompts))
+    time.sleep(1.0)  # the hook-time files are rewritten every 0.2 s; the stats reach /metrics by the next step
+    hook_ms = (hook_seconds(hook_dir) - hooks_before) * 1e3 / len(prompts) if decode is not None else None
+    transfer_ms = None
+    if decode is not None:
+        after = scrape(client, decode.url)
+        count = after.get(metric + "_count", 0) - before.get(metric + "_count", 0)
+        total = after.get(metric + "_sum", 0) - before.get(metric + "_sum", 0)
+        transfer_ms = round(total / count * 1e3, 3) if count else None
+    ttfts = sorted(a.first_token_s * 1e3 for a in answers)
+    rates = [(len(a.tokens) - 1) / (a.total_s - a.first_token_s) for a in answers if a.total_s > a.first_token_s]
+    tokens = tuple(a.tokens for a in answers)
+    reference = want if want is not None else tokens
+    identical = sum(
+        a.status == 200 and len(a.tokens) == args.max_tokens and a.tokens == w
+        for a, w in zip(answers, reference, strict=True)
+    )
+    return Cell(
+        configuration, length, concurrency, len(prompts), round(statistics.median(ttfts), 2),
+        round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 2), transfer_ms,
+        None if hook_ms is None else round(hook_ms, 3), round(statistics.median(rates), 1) if rates else 0.0,
+        identical, tokens,
+    )  # fmt: skip
+
+
+def hook_seconds(folder: Path) -> float:
+    total = 0.0
+    for path in folder.glob("*.json"):
+        try:
+            total += json.loads(path.read_text())["seconds"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return total
+
+
+def print_table(cells: dict[str, list[Cell]], first_contact: dict[str, float]) -> None:
+    header = "prompt | conc. | configuration | TTFT p50 ms | TTFT p99 ms | transfer ms | hook ms/request | decode tok/s"
+    print(f"\n| {header} | identical |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    rows = sorted(
+        (c for cs in cells.values() for c in cs),
+        key=lambda c: (c.length, c.concurrency, CONFIGURATIONS.index(c.configuration)),
+    )
+    for c in rows:
+        transfer = "" if c.transfer_ms is None else f"{c.transfer_ms:.2f}"
+        hooks = "" if c.hook_ms_per_request is None else f"{c.hook_ms_per_request:.2f}"
+        print(f"| {c.length} | {c.concurrency} | {c.configuration} | {c.ttft_p50_ms:.1f} | {c.ttft_p99_ms:.1f} | "
+              f"{transfer} | {hooks} | {c.decode_tokens_per_s:.1f} | {c.identical}/{c.requests} |")  # fmt: skip
+    print("\nfirst request after start (1024 tokens, first contact included), TTFT ms: "
+          + ", ".join(f"{k} {v}" for k, v in first_contact.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

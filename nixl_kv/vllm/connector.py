@@ -1,0 +1,157 @@
+"""``NixlKvConnector``: vLLM's ``KVConnectorBase_V1`` over nixl_kv, for a prefill and a decode instance.
+
+Load it by module path::
+
+    --kv-transfer-config '{"kv_connector": "NixlKvConnector", "kv_connector_module_path": "nixl_kv.vllm",
+                           "kv_role": "kv_producer", "kv_load_failure_policy": "recompute"}'
+
+vLLM builds one instance in the scheduler (role SCHEDULER: ``nixl_kv.vllm.scheduler``) and one in every worker
+(role WORKER: ``nixl_kv.vllm.worker``); each hook here only hands over to that side. Options, in
+``kv_connector_extra_config``: ``transfer_timeout_ms`` (a pull's deadline, default 10000), ``lease_ms`` (how long
+the prefill instance keeps a request's blocks for its reader, default 30000), ``backend`` (the transfer agent,
+default NIXL).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from nixl_kv.config import CacheTransceiverConfig
+from nixl_kv.vllm.kv_layout import AttentionShape
+from nixl_kv.vllm.metadata import StepMetadata, WorkerHandshake
+from nixl_kv.vllm.scheduler import SchedulerSide
+from nixl_kv.vllm.stats import TransferPromMetrics, TransferStats
+from nixl_kv.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_MS = 10_000
+DEFAULT_LEASE_MS = 30_000
+
+
+class NixlKvConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning("nixl_kv: kv_load_failure_policy is %r: a failed pull fails its request instead of "
+                        "recomputing it", transfer.kv_load_failure_policy)  # fmt: skip
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._handshake: WorkerHandshake | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+            self._scheduler = SchedulerSide(block_size, single_group=groups == 1)
+            return
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError("nixl_kv.vllm: pipeline-parallel instances are not supported")
+        config = CacheTransceiverConfig(
+            backend=transfer.get_from_extra_config("backend", "NIXL"),
+            kv_transfer_timeout_ms=int(transfer.get_from_extra_config("transfer_timeout_ms", DEFAULT_TIMEOUT_MS)),
+            lease_ms=int(transfer.get_from_extra_config("lease_ms", DEFAULT_LEASE_MS)),
+            enable_inflight_cancel=True,
+        )
+        shape = AttentionShape(model.get_num_kv_heads(parallel), model.get_head_size(), block_size)
+        self._worker = WorkerSide(
+            shape,
+            model.get_total_num_kv_heads(),
+            parallel.tensor_parallel_size,
+            CacheTransceiverConfig.from_env(config),
+        )
+        self._single_group = kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1
+
+    # --- worker ------------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._handshake = WorkerHandshake(self._worker.register(kv_caches))
+
+    def get_handshake_metadata(self) -> WorkerHandshake | None:
+        return self._handshake
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request is scheduled only once its KV has arrived
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # nothing moves per layer: the reader pulls once the prompt is complete
+
+    def wait_for_save(self) -> None:
+        self._worker.save(self._step_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self._worker.finished()
+        return results.sent or None, results.received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self._worker.finished()
+        return KVConnectorTransferResults(results.sent, results.received, results.failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = self._worker.load_errors()
+        return errors if self._single_group else set()  # several groups: failed_recving alone says it
+
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        return None if self._worker is None else self._worker.stats.take()  # the scheduler asks too
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _step_metadata(self) -> StepMetadata:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, StepMetadata):
+            raise TypeError(f"nixl_kv.vllm: unexpected connector metadata {type(metadata).__name__}")
+        return metadata
+
+    # --- scheduler ---------------------------------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        handshake = metadata.get(0)
+        if isinstance(handshake, WorkerHandshake):
+            self._scheduler.set_maker(handshake.maker)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        self._scheduler.plan_responses(scheduler_output.num_scheduled_tokens, self._kv_cache_manager.get_block_ids)
+        return self._scheduler.take_step()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.received(set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        return self._scheduler.finished(request, completed)
+
+    # --- both ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats:
+        return TransferStats(data) if data is not None else TransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> TransferPromMetrics:
+        return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,170 @@
+"""The worker side: one ``CacheTransceiver`` over vLLM's own KV cache tensors, driven by the scheduler's metadata.
+
+ctx: after the forward that completes a prompt (``wait_for_save``) the request is responded to, so its blocks are
+pinned before the scheduler hands its params out; ``finished`` reports it sent once its readers are done (or its
+lease ended) and the scheduler said the params left the engine.
+gen: ``start_load_kv`` starts each pull into the request's freshly allocated blocks; ``finished`` reports it
+received once the transfer ended and no READ can still land, failed ones also as load errors, so vLLM recomputes
+them and never decodes from blocks that were not received.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from nixl_kv.comm import SingleProcessComm
+from nixl_kv.config import CacheTransceiverConfig
+from nixl_kv.errors import NotSupportedError
+from nixl_kv.params import ParamsMaker
+from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.transceiver import CacheTransceiver
+from nixl_kv.vllm.blocks import VllmBlocks
+from nixl_kv.vllm.kv_layout import AttentionShape, cache_state, describe, ordered_layers
+from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
+from nixl_kv.vllm.stats import TransferStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResults:
+    """What one ``finished`` call reports to vLLM."""
+
+    sent: set[str] = field(default_factory=set)
+    received: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Receiving:
+    receive: Receive
+    request: TransferRequest
+    ended: bool = False
+
+
+class WorkerSide:
+    def __init__(self, shape: AttentionShape, total_kv_heads: int, tp: int, config: CacheTransceiverConfig) -> None:
+        self._shape, self._total_kv_heads, self._tp, self._config = shape, total_kv_heads, tp, config
+        self._blocks: VllmBlocks | None = None
+        self.transceiver: CacheTransceiver | None = None
+        self._responding: dict[int, Respond] = {}  # ctx: our id -> what was responded
+        self._sent: set[str] = set()  # ctx: transfers ended, waiting for the scheduler's hand-out
+        self._handed_out: set[str] = set()  # ctx: params left the engine, transfer not ended yet
+        self._withdrawn: set[str] = set()  # ctx: finished without params, transfer cancelled, not ended yet
+        self._receiving: dict[int, _Receiving] = {}  # gen: our id -> pull
+        self._by_vllm_id: dict[str, int] = {}  # gen: vLLM's id -> our id
+        self._load_errors: set[int] = set()
+        self.stats = TransferStats()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> ParamsMaker:
+        if self._tp != 1:
+            raise NotSupportedError("nixl_kv.vllm runs instances of tensor-parallel size 1 (vLLM's CPU build here)")
+        layout, dtype = describe(ordered_layers(kv_caches), self._shape)
+        self._blocks = VllmBlocks(layout)
+        state = cache_state(self._total_kv_heads, layout, dtype, self._tp)
+        self.transceiver = CacheTransceiver(self._blocks, state, self._config, SingleProcessComm())
+        log.info("nixl_kv: %d layers of %s pools registered (%s)", layout.num_layers, layout.kind.value, dtype.value)
+        return self.transceiver.params_maker()
+
+    # --- each step ---------------------------------------------------------------------------------------------
+    def start(self, metadata: StepMetadata) -> None:
+        """gen: start this step's pulls; ctx: note what the scheduler decided about responded requests."""
+        for vllm_id in metadata.handed_out:
+            self._handed_out.add(vllm_id)
+        for vllm_id in metadata.withdrawn:
+            self._withdraw(vllm_id)
+        for vllm_id in metadata.cancel:
+            ours = self._by_vllm_id.get(vllm_id)
+            if ours is not None:
+                self.transceiver.cancel_request(self._receiving[ours].request)
+        for receive in metadata.receive:
+            self._pull(receive)
+
+    def save(self, metadata: StepMetadata) -> None:
+        """ctx: the forward is over, the prompts it completed are in the pools: respond to them."""
+        for respond in metadata.respond:
+            self._blocks.register(respond.request_id, respond.block_ids)
+            request = TransferRequest(respond.request_id, num_tokens=respond.num_tokens)
+            self.transceiver.respond_and_send_async(request)
+            self._responding[respond.request_id] = respond
+
+    def finished(self) -> StepResults:
+        results = StepResults()
+        if self.transceiver is None:
+            return results
+        if self._responding:
+            statuses = self.transceiver.check_context_transfer_status(0, mark_complete=True)
+            for ours in statuses.completed_request_ids | statuses.error_request_ids:
+                respond = self._responding.pop(ours, None)
+                if respond is None:
+                    continue
+                self._blocks.forget(ours)
+                if respond.vllm_id in self._withdrawn:
+                    self._withdrawn.discard(respond.vllm_id)
+                else:
+                    self._sent.add(respond.vllm_id)
+        results.sent = self._sent & self._handed_out
+        self._sent -= results.sent
+        self._handed_out -= results.sent
+        if self._receiving:
+            self._collect_received(results)
+        return results
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.transceiver is not None:
+            self.transceiver.close()
+
+    # --- gen ---------------------------------------------------------------------------------------------------
+    def _pull(self, receive: Receive) -> None:
+        self._blocks.register(receive.request_id, receive.block_ids)
+        request = TransferRequest(
+            receive.request_id, context_phase_params=receive.params, reused_blocks=receive.reused_blocks
+        )
+        self._receiving[receive.request_id] = _Receiving(receive, request)
+        self._by_vllm_id[receive.vllm_id] = receive.request_id
+        try:
+            self.transceiver.request_and_receive_async(request)
+        except Exception as exc:  # refused before any READ (undecodable params, incompatible pair)
+            log.warning("nixl_kv: request %s refused: %s: %s", receive.vllm_id, type(exc).__name__, exc)
+            request.fail(f"{type(exc).__name__}: {exc}")
+            self._receiving[receive.request_id].ended = True
+
+    def _collect_received(self, results: StepResults) -> None:
+        statuses = self.transceiver.check_gen_transfer_status(0)
+        for ours in statuses.completed_request_ids | statuses.error_request_ids:
+            if ours in self._receiving:
+                self._receiving[ours].ended = True
+        for ours, pull in list(self._receiving.items()):
+            if not pull.ended or self._blocks.pinned(ours):  # a READ that may still land keeps the blocks
+                continue
+            del self._receiving[ours]
+            del self._by_vllm_id[pull.receive.vllm_id]
+            self._blocks.forget(ours)
+            results.received.add(pull.receive.vllm_id)
+            request = pull.request
+            if request.state is RequestState.GENERATION_TRANS_COMPLETE:
+                self.stats.record(request.transfer_end - request.transfer_start, request.transfer_bytes)
+                continue
+            log.warning("nixl_kv: request %s failed, vLLM recomputes it: %s", pull.receive.vllm_id, request.error)
+            self.stats.record_failure()
+            results.failed.add(pull.receive.vllm_id)
+            moved = pull.receive.block_ids[pull.receive.reused_blocks :]
+            self._load_errors.update(moved)
+
+    # --- ctx ---------------------------------------------------------------------------------------------------
+    def _withdraw(self, vllm_id: str) -> None:
+        """The request finished without handing its params out: nobody can read it, end the transfer now."""
+        if vllm_id in self._sent:  # already ended (its lease): nothing left to cancel
+            self._sent.discard(vllm_id)
+            return
+        for ours, respond in self._responding.items():
+            if respond.vllm_id == vllm_id:
+                self._withdrawn.add(vllm_id)
+                self.transceiver.cancel_request(TransferRequest(ours))

@@ -1,0 +1,140 @@
+"""nixl_kv inside a real vLLM: a prefill and a decode ``vllm`` OpenAI server with NixlKvConnector, against one
+aggregated vLLM server on the same checkpoint (the same engine, no connector). Every output must be identical.
+
+The engines run from the venv ``scripts/vllm_env.sh`` makes (``NIXL_KV_VLLM_PYTHON``, else ``.venv-vllm``). vLLM
+starts slowly on 2 cores (30-100 s), so one module-scoped set of servers serves every test; a second prefill
+instance is the one a test kills.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nixl_kv.serving.launcher import Server
+from nixl_kv.vllm.client import complete, prompt_of, scrape
+from nixl_kv.vllm.launch import Instance, VllmServers, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = os.environ.get("NIXL_KV_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+TRANSFER_TIMEOUT_MS = 4000
+MAX_TOKENS = 12
+RECEIVED = "vllm:nixl_kv_transfer_seconds_count"
+FAILED = "vllm:nixl_kv_failed_transfers_total"
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass
+class Pair:
+    prefill: Server
+    decode: Server
+    aggregated: Server
+    router: Server
+    victim: Server  # a second prefill instance, for the test that kills one
+    client: httpx.Client
+
+    def expected(self, prompt: list[int]) -> tuple[int, ...]:
+        answer = complete(self.client, self.aggregated.url, prompt, MAX_TOKENS)
+        assert answer.status == 200 and len(answer.tokens) == MAX_TOKENS, answer
+        return answer.tokens
+
+    def counter(self, name: str) -> float:
+        return scrape(self.client, self.decode.url).get(name, 0.0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if not Path(PYTHON).exists():
+        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
+    model = make_model(tmp_path_factory.mktemp("vllm") / "model", python=PYTHON)
+    decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
+    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
+        prefill = servers.start(Instance("kv_producer"), "prefill")
+        victim = servers.start(Instance("kv_producer"), "victim")
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
+        aggregated = servers.start(Instance(), "aggregated")
+        router = servers.start_router([prefill], [decode])
+        servers.wait()
+        with httpx.Client(timeout=120) as client:
+            yield Pair(prefill, decode, aggregated, router, victim, client)
+
+
+def prefilled_params(pair: Pair, server: Server, prompt: list[int]) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    response = pair.client.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+def decode_with(pair: Pair, prompt: list[int], params: dict) -> tuple[int, tuple[int, ...]]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    response = pair.client.post(pair.decode.url + "/v1/completions", json=body)
+    return response.status_code, tuple(response.json()["choices"][0]["token_ids"]) if response.is_success else ()
+
+
+@pytest.mark.parametrize("length", [1, 33, 257, 1000])
+def test_the_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length: int) -> None:
+    prompt = prompt_of(length, seed=1)
+    before = pair.counter(RECEIVED)
+    answer = complete(pair.client, pair.router.url, prompt, MAX_TOKENS)
+    assert answer.status == 200, answer.error
+    assert answer.tokens == pair.expected(prompt)
+    assert answer.finish_reason == "length"
+    assert pair.counter(RECEIVED) == before + 1  # the decode instance pulled the KV: it did not recompute
+
+
+def test_concurrent_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
+    prompts = [prompt_of(50 + 37 * i, seed=2) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: complete(pair.client, pair.router.url, p, MAX_TOKENS, stream=False), prompts))
+    assert [a.status for a in answers] == [200] * 8
+    assert [a.tokens for a in answers] == [pair.expected(p) for p in prompts]
+
+
+def test_a_prefix_the_decode_holds_moves_only_the_rest(pair: Pair) -> None:
+    prompt = prompt_of(300, seed=3)
+    first = complete(pair.client, pair.router.url, prompt, MAX_TOKENS)
+    again = complete(pair.client, pair.router.url, prompt[:290] + [7, 8, 9], MAX_TOKENS)
+    assert first.tokens == pair.expected(prompt)
+    assert again.tokens == pair.expected(prompt[:290] + [7, 8, 9])
+
+
+def test_params_for_another_prompt_or_damaged_are_computed_there_instead(pair: Pair) -> None:
+    prompt, other = prompt_of(120, seed=4), prompt_of(120, seed=5)
+    params = prefilled_params(pair, pair.prefill, prompt)
+    before = pair.counter(RECEIVED)
+    assert decode_with(pair, other, params) == (200, pair.expected(other))
+    damaged = dict(params, nixl_kv_params=params["nixl_kv_params"][:-8] + "AAAAAAAA")
+    assert decode_with(pair, prompt, damaged) == (200, pair.expected(prompt))
+    assert pair.counter(RECEIVED) == before  # neither was pulled
+
+
+def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
+    prompt = prompt_of(400, seed=6)
+    params = prefilled_params(pair, pair.victim, prompt)
+    pair.victim.kill()
+    failed = pair.counter(FAILED)
+    started = time.monotonic()
+    status, tokens = decode_with(pair, prompt, params)
+    elapsed = time.monotonic() - started
+    assert (status, tokens) == (200, pair.expected(prompt))
+    assert elapsed < TRANSFER_TIMEOUT_MS / 1000 + 20, elapsed  # the deadline, then a recompute on 2 busy cores
+    assert pair.counter(FAILED) == failed + 1
+    # the decode instance goes on serving through the live prefill
+    assert complete(pair.client, pair.router.url, prompt, MAX_TOKENS).tokens == pair.expected(prompt)
