@@ -5,12 +5,17 @@ so it is always the message's last 9 bytes: msgpack's uint64 marker and 8 big-en
 the params with a placeholder there and writes over it a 63-bit keyless BLAKE2b of everything before it; the gen
 side recomputes that over the bytes it received before decoding them (1-2 µs). It catches damage, not forgery:
 the router that carries the params is trusted (docs/trust_model.md).
+
+``prompt_digest`` binds params to their prompt: the ctx side puts the digest of the prompt's token ids in the
+params, and the gen side compares it with the prompt it is asked to decode, so KV made for one prompt is never
+decoded (or kept for prefix reuse) under another.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 
 from nixl_kv import wire
 from nixl_kv.state import ContextPhaseParams
@@ -18,6 +23,7 @@ from nixl_kv.state import ContextPhaseParams
 TOP_BIT = 1 << 63
 PLACEHOLDER = TOP_BIT  # what the encoder writes first: 0xcf + 8 bytes
 _UINT64 = 0xCF
+PROMPT_DIGEST_BYTES = 16
 
 
 def _digest(body: bytes) -> int:
@@ -39,3 +45,12 @@ def seal(encoded: bytes) -> bytes:
 def is_sealed(data: bytes) -> bool:
     """Whether ``data`` ends in the checksum of everything before it."""
     return len(data) >= 9 and data[-9] == _UINT64 and int.from_bytes(data[-8:], "big") == _digest(data[:-8])
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """A 128-bit BLAKE2b of the token ids (each as 8 little-endian bytes, so no two lists share an encoding; ids
+    outside int64 raise OverflowError: check them against the vocabulary first)."""
+    import numpy as np  # not at import time: nixl_kv's imports stay cheap
+
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=PROMPT_DIGEST_BYTES, person=b"nixl_kv-prompt").digest()

@@ -39,6 +39,7 @@ class TransferRequest:
     context_phase_params: bytes | None = None
     first_gen_tokens: tuple[int, ...] = ()
     draft_tokens: tuple[int, ...] | None = None
+    prompt_digest: bytes = b""  # ctx side: the prompt's digest, carried in the params (params_seal.prompt_digest)
     reused_blocks: int = 0
     state: RequestState = RequestState.CONTEXT_INIT
     error: str | None = None

@@ -166,6 +166,7 @@ class CacheSender:
             ctx_rank=self._context.rank,
             masked_promise=entry.masked_promise if entry.posted and progress is None else 0,
             secret=entry.secret,
+            prompt_digest=request.prompt_digest,
         )
         request.context_phase_params = encode_params(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait

@@ -218,6 +218,9 @@ class ContextPhaseParams:
     masked_promise: int = 0
     # The request's secret (nixl_kv.auth): every control message about the request carries it as its proof.
     secret: bytes = field(default=b"", metadata={"max_bytes": 64})
+    # A digest of the prompt's token ids (nixl_kv.params_seal.prompt_digest), b"" when the ctx side gave none: a
+    # server binds the params to the prompt they were made for, so a reader can refuse another prompt before a READ.
+    prompt_digest: bytes = field(default=b"", metadata={"max_bytes": 64})
     # Must stay the last field: the seal over the encoded params (nixl_kv.params_seal), 0 before sealing.
     checksum: int = 0
 

@@ -2,7 +2,8 @@
 
 Rank 0 runs the model once and splits the cache (``rank_piece``): every rank writes only its kv heads (and its
 Mamba channels and heads) into its own pools, then responds, as a tensor-parallel prefill server does. The params
-go back to the caller only after every rank has responded (the gather at the end of the step).
+go back to the caller only after every rank has responded (the gather at the end of the step), bound to their
+prompt (its digest) and first token.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nixl_kv.errors import BufferExhaustedError
+from nixl_kv.params_seal import prompt_digest
 from nixl_kv.requests import TransferRequest
 from nixl_kv.serving.engine import Engine, fail_future
 from nixl_kv.serving.model_cache import CachePiece, rank_piece, whole_piece, write_piece
@@ -32,9 +34,20 @@ class Prefilled:
     params: bytes
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """One prefilled request as a rank gets it: its share of the cache, and what its params are bound to."""
+
+    request_id: int
+    num_tokens: int
+    first_token: int
+    prompt_digest: bytes
+    piece: CachePiece  # this rank's share
+
+
 @dataclass
 class PrefillStep:
-    prefills: list[tuple[int, int, CachePiece]] = field(default_factory=list)  # (request id, tokens, this rank's)
+    prefills: list[Prefill] = field(default_factory=list)
 
 
 class CtxEngine(Engine):
@@ -58,10 +71,11 @@ class CtxEngine(Engine):
             except Exception as exc:
                 fail_future(job.future, exc)
                 continue
-            request_id = next(self._ids)
+            request_id, digest = next(self._ids), prompt_digest(job.prompt)
             self._planned[request_id] = (job, first_token)
             for rank, step in enumerate(steps):
-                step.prefills.append((request_id, len(job.prompt), rank_piece(whole, self.state, rank)))
+                piece = rank_piece(whole, self.state, rank)
+                step.prefills.append(Prefill(request_id, len(job.prompt), first_token, digest, piece))
         return steps
 
     def _prefill(self, prompt: list[int]) -> tuple[int, CachePiece]:
@@ -71,14 +85,20 @@ class CtxEngine(Engine):
 
     def apply(self, step: PrefillStep) -> list[list[tuple[int, bytes | str]]] | None:
         responded: list[tuple[int, bytes | str]] = []
-        for request_id, num_tokens, piece in step.prefills:
+        for prefill in step.prefills:
+            request_id = prefill.request_id
             try:  # every rank has the same free blocks: they all succeed or all fail
-                self.pools.allocate(request_id, num_tokens)
+                self.pools.allocate(request_id, prefill.num_tokens)
             except BufferExhaustedError as exc:
                 responded.append((request_id, f"{type(exc).__name__}: {exc}"))
                 continue
-            write_piece(self.pools, request_id, piece)
-            request = TransferRequest(request_id, num_tokens=num_tokens)
+            write_piece(self.pools, request_id, prefill.piece)
+            request = TransferRequest(
+                request_id,
+                num_tokens=prefill.num_tokens,
+                first_gen_tokens=(prefill.first_token,),
+                prompt_digest=prefill.prompt_digest,
+            )
             self.transceiver.respond_and_send_async(request)
             self._responding[request_id] = request
             responded.append((request_id, request.context_phase_params))
@@ -99,6 +119,12 @@ class CtxEngine(Engine):
 
     def in_flight(self) -> bool:
         return bool(self._responding)
+
+    @property
+    def unpulled(self) -> int:
+        """Requests whose params were handed out and whose readers are not done yet (each pins its blocks until
+        then, or until its lease ends)."""
+        return len(self._responding)
 
     def fail_all(self, error: BaseException) -> None:
         for job, _ in self._planned.values():
