@@ -220,9 +220,13 @@ class TransferTracker:
         statuses = RequestStatuses()
         rows: list[tuple[TransferRequest, str]] = []
         for rid in sorted(failed):
+            past_deadline = rid in self.cancel_requested  # cancelled here because its deadline passed
             request = self._forget(rid)
             if request is not None:
-                request.fail(request.error or "a rank of the sync group failed this transfer")
+                error = request.error or "a rank of the sync group failed this transfer"
+                if past_deadline:  # the cause first: a caller maps it (a server to 504), the cancel is its effect
+                    error = f"deadline of {self.rules.timeout_ms} ms passed (kv_transfer_timeout_ms): {error}"
+                request.fail(error)
                 statuses.error_request_ids.add(rid)
                 rows.append((request, "error"))
         for rid in sorted(completed):
