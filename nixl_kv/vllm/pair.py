@@ -29,12 +29,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prompt lengths (tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model"))
+    parser.add_argument("--prefill-block-size", type=int, default=32, help="tokens per KV block (a multiple of 32)")
+    parser.add_argument("--decode-block-size", type=int, default=32)
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the prefill instance")
+    parser.add_argument("--decode-tp", type=int, default=1)
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     model = make_model(args.model_dir)
     with VllmServers(model) as servers:
-        prefill = servers.start(Instance("kv_producer", args.connector), "prefill")
-        decode = servers.start(Instance("kv_consumer", args.connector), "decode")
+        prefill = servers.start(
+            Instance("kv_producer", args.connector, args.prefill_block_size, extra_args=tp_args(args.prefill_tp)),
+            "prefill",
+        )
+        decode = servers.start(
+            Instance("kv_consumer", args.connector, args.decode_block_size, extra_args=tp_args(args.decode_tp)),
+            "decode",
+        )
         aggregated = servers.start(Instance(), "aggregated")
         router = servers.start_router([prefill], [decode])
         print(f"[vllm pair] starting vLLM servers (logs in {servers.log_dir}) ...", file=sys.stderr, flush=True)
@@ -53,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             identical += bool(same)
             rows.append((length, split, alone, same))
         transfers = scrape(client, decode.url).get(counter, 0.0) - before
-    print(f"\nconnector: {CONNECTORS[args.connector][0]}; {args.max_tokens} greedy tokens per prompt")
+    blocks = f"TP {args.prefill_tp} -> {args.decode_tp}, "
+    blocks += f"block size {args.prefill_block_size} -> {args.decode_block_size}"
+    print(f"\nconnector: {CONNECTORS[args.connector][0]}; {blocks}; {args.max_tokens} greedy tokens per prompt")
     print(f"{'prompt':>7} {'P/D ms':>9} {'aggregated ms':>14} {'identical':>10}  first tokens (P/D)")
     for length, split, alone, same in rows:
         shown = list(split.tokens[:6]) if split.status == 200 else f"HTTP {split.status}: {split.error[:60]}"
@@ -62,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{identical} of {len(rows)} outputs identical to aggregated vLLM; the decode instance received KV "
           f"{transfers:.0f} times")  # fmt: skip
     return 0 if identical == len(rows) and transfers >= sum(n > 1 for n in lengths) else 1
+
+
+def tp_args(tp: int) -> tuple[str, ...]:
+    return () if tp == 1 else ("--tensor-parallel-size", str(tp))
 
 
 if __name__ == "__main__":

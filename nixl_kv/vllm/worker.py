@@ -17,11 +17,11 @@ import torch
 
 from nixl_kv.comm import SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
-from nixl_kv.errors import NotSupportedError
 from nixl_kv.params import ParamsMaker
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.transceiver import CacheTransceiver
 from nixl_kv.vllm.blocks import VllmBlocks
+from nixl_kv.vllm.comm import TensorParallelComm
 from nixl_kv.vllm.kv_layout import AttentionShape, cache_state, describe, ordered_layers
 from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
 from nixl_kv.vllm.stats import TransferStats
@@ -60,12 +60,11 @@ class WorkerSide:
         self.stats = TransferStats()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> ParamsMaker:
-        if self._tp != 1:
-            raise NotSupportedError("nixl_kv.vllm runs instances of tensor-parallel size 1 (vLLM's CPU build here)")
         layout, dtype = describe(ordered_layers(kv_caches), self._shape)
         self._blocks = VllmBlocks(layout)
         state = cache_state(self._total_kv_heads, layout, dtype, self._tp)
-        self.transceiver = CacheTransceiver(self._blocks, state, self._config, SingleProcessComm())
+        comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
+        self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
         log.info("nixl_kv: %d layers of %s pools registered (%s)", layout.num_layers, layout.kind.value, dtype.value)
         return self.transceiver.params_maker()
 
@@ -86,16 +85,24 @@ class WorkerSide:
     def save(self, metadata: StepMetadata) -> None:
         """ctx: the forward is over, the prompts it completed are in the pools: respond to them."""
         for respond in metadata.respond:
-            self._blocks.register(respond.request_id, respond.block_ids)
             request = TransferRequest(respond.request_id, num_tokens=respond.num_tokens)
-            self.transceiver.respond_and_send_async(request)
+            try:
+                self._blocks.register(respond.request_id, respond.block_ids)
+                self.transceiver.respond_and_send_async(request)
+            except Exception as exc:  # its reader's pull fails and the decode instance recomputes: never vLLM's step
+                log.error("nixl_kv: request %s could not be served: %s: %s", respond.vllm_id, type(exc).__name__, exc)
+                self._blocks.forget(respond.request_id)
+                self._sent.add(respond.vllm_id)  # nothing pinned: its blocks can go once the scheduler lets them
+                continue
             self._responding[respond.request_id] = respond
 
     def finished(self) -> StepResults:
         results = StepResults()
         if self.transceiver is None:
             return results
-        if self._responding:
+        # a status check is a collective over the instance's ranks: with TP every rank checks every step
+        collective = self._tp > 1
+        if self._responding or collective:
             statuses = self.transceiver.check_context_transfer_status(0, mark_complete=True)
             for ours in statuses.completed_request_ids | statuses.error_request_ids:
                 respond = self._responding.pop(ours, None)
@@ -109,7 +116,7 @@ class WorkerSide:
         results.sent = self._sent & self._handed_out
         self._sent -= results.sent
         self._handed_out -= results.sent
-        if self._receiving:
+        if self._receiving or collective:
             self._collect_received(results)
         return results
 
