@@ -145,8 +145,20 @@ def test_a_killed_ctx_server_is_a_5xx_by_the_deadline_and_the_rest_keeps_serving
 
 
 def test_an_incompatible_pair_is_refused_naming_the_difference(checkpoints: dict) -> None:
+    """A gen server of another model (2 kv heads, not 4) refuses the ctx's params with a 409 before any READ; the ctx
+    frees them at once, and the next request, on the compatible gen server, is correct."""
     ctx_model, gen_model = checkpoints[("llama", "float32")], checkpoints[("llama-2-kv-heads", "float32")]
-    with Cluster(ctx_model, "float32", gen_model=gen_model) as cluster:
-        response = post(cluster.router.url + "/v1/completions", {"prompt": list(range(40)), "max_tokens": 4})
-    assert response.status_code == 409, response.text
-    assert "IncompatibleStateError" in response.text and "head" in response.text, response.text
+    gens = [InstanceArgs(model=gen_model), InstanceArgs()]  # the router's first pick is the first
+    with Cluster(ctx_model, "float32", gen=gens) as cluster:
+        refused = post(cluster.router.url + "/v1/completions", {"prompt": list(range(40)), "max_tokens": 4})
+        ctx_health, deadline = cluster.of("ctx")[0].url + "/health", time.monotonic() + 2  # the lease is 60 s
+        while (unpulled := httpx.get(ctx_health, timeout=10).json()["unpulled"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        served = post(cluster.router.url + "/v1/completions", {"prompt": list(range(40)), "max_tokens": MAX_TOKENS})
+    assert refused.status_code == 409, refused.text
+    detail = refused.json()["detail"]
+    assert detail.startswith(f"gen server {cluster.of('gen')[0].url}: IncompatibleStateError: ") and "head" in detail
+    assert unpulled == 0
+    assert served.status_code == 200 and served.json()["nixl_kv"]["gen"] == cluster.of("gen")[1].url
+    tokens = served.json()["choices"][0]["token_ids"]
+    assert_identical([Outcome(list(range(40)), tokens, 0, 0)], ctx_model, "float32")

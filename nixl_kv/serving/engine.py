@@ -42,6 +42,7 @@ class InstanceOptions:
     num_blocks: int = 512
     num_slots: int = 64  # Mamba state slots (requests held at once), for hybrid models
     transfer_timeout_ms: int = 10_000  # the gen side fails a transfer that has not ended by then
+    lease_ms: int = 60_000  # the ctx side keeps a request's blocks this long for its readers, then frees them
     max_prompt_tokens: int = 1024
     step_timeout_s: float = 60.0  # the most a request waits on the engine for one step (a prefill, a token)
 
@@ -63,7 +64,11 @@ class Engine(ABC):
             self.state, comm.rank, LayoutKind(options.layout), options.num_blocks, options.num_slots, self.geometry
         )
         config = CacheTransceiverConfig.from_env(
-            CacheTransceiverConfig(kv_transfer_timeout_ms=options.transfer_timeout_ms, enable_inflight_cancel=True)
+            CacheTransceiverConfig(
+                kv_transfer_timeout_ms=options.transfer_timeout_ms,
+                enable_inflight_cancel=True,
+                lease_ms=options.lease_ms,
+            )
         )
         self.transceiver = CacheTransceiver(self.pools, self.state, config, comm)
         self._jobs: queue.Queue[Any] = queue.Queue()

@@ -3,7 +3,8 @@
 Every rank pulls its own share (its kv heads, its Mamba channels); rank 0 gathers the shares it read, rebuilds the
 model's cache from them alone, and decodes. A finished request's blocks stay in the pools (``held``), so that a
 later prompt with the same leading blocks reads only the rest (``reused_blocks``); the oldest go when blocks run
-short or more than ``max_held`` are kept.
+short or more than ``max_held`` are kept. Only a prompt checked against its params (``ReceiveJob.verified``) is
+matched: blocks held under a prompt they were not made for would hand wrong KV to every later request.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ MAX_HELD = 16  # finished requests kept for prefix reuse
 @dataclass
 class ReceiveJob:
     """``future`` resolves to a Received once the transfer ended (or fails with its error); then ``emit`` gets each
-    decoded token, and None at the end."""
+    decoded token, and None at the end, or the error that stopped the decoding. ``verified``: the prompt was checked
+    against the params' digest (``binding.check_binding``); only such a prompt is kept for prefix reuse."""
 
     params: bytes
     prompt: list[int]
     first_token: int
     max_tokens: int
-    emit: Callable[[int | None], None]
+    emit: Callable[[int | BaseException | None], None]
     eos_token_id: int | None = None
+    verified: bool = False
     future: Future = field(default_factory=Future)
     cancelled: bool = False
 
@@ -55,7 +58,12 @@ class ReceiveStep:
 
 
 class TransferFailed(RuntimeError):
-    """The request's transfer ended in error; the message is the transceiver's (its first word names the type)."""
+    """The request's transfer ended in error; the message is the transceiver's (its first word names the type).
+    ``started``: the params were handed to the transceiver (else they are still good: no room for them here)."""
+
+    def __init__(self, message: str, started: bool = True) -> None:
+        super().__init__(message)
+        self.started = started
 
 
 @dataclass
@@ -73,7 +81,7 @@ class GenEngine(Engine):
         self._receiving: dict[int, TransferRequest] = {}
         self._tokens: dict[int, int] = {}  # request id -> prompt tokens
         self._jobs_by_id: dict[int, ReceiveJob] = {}  # rank 0
-        self._held: OrderedDict[int, np.ndarray] = OrderedDict()  # request id -> prompt, oldest first
+        self._held: OrderedDict[int, np.ndarray | None] = OrderedDict()  # request id -> prompt, oldest first
         self._decoding: list[_Decoding] = []
 
     # --- rank 0: plan ---------------------------------------------------------------------------------------------
@@ -95,6 +103,8 @@ class GenEngine(Engine):
         """The held request sharing the most whole leading blocks with ``prompt`` (the last token always moves)."""
         best, best_blocks, wanted = None, 0, np.asarray(prompt[: len(prompt) - 1])
         for request_id, held in self._held.items():
+            if held is None:
+                continue
             length = min(len(held), len(wanted))
             differ = np.flatnonzero(held[:length] != wanted[:length])
             blocks = int(differ[0] if len(differ) else length) // self.options.tokens_per_block
@@ -118,15 +128,15 @@ class GenEngine(Engine):
         return evicted
 
     # --- every rank: apply ----------------------------------------------------------------------------------------
-    def apply(self, step: ReceiveStep) -> tuple[dict[int, str], dict[int, TransferRequest], list | None]:
+    def apply(self, step: ReceiveStep) -> tuple[dict[int, TransferFailed], dict[int, TransferRequest], list | None]:
         for request_id in step.free:
             self.pools.free(request_id)
-        failed: dict[int, str] = {}
+        failed: dict[int, TransferFailed] = {}
         for request_id, num_tokens, params, source, blocks in step.receives:
             try:  # the same on every rank (same free blocks, same calls)
                 self.pools.allocate(request_id, num_tokens)
             except BufferExhaustedError as exc:
-                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                failed[request_id] = TransferFailed(f"{type(exc).__name__}: {exc}", started=False)
                 continue
             if blocks:
                 tokens = blocks * self.options.tokens_per_block
@@ -135,7 +145,7 @@ class GenEngine(Engine):
             try:
                 self.transceiver.request_and_receive_async(request)
             except Exception as exc:  # refused before any READ (undecodable params): this request only
-                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                failed[request_id] = TransferFailed(f"{type(exc).__name__}: {exc}")
                 self.pools.free(request_id)
                 continue
             self._receiving[request_id] = request
@@ -153,16 +163,17 @@ class GenEngine(Engine):
         return failed, done, self.lockstep.gather(pieces)
 
     # --- rank 0: finish and decode --------------------------------------------------------------------------------
-    def finish(self, outcome: tuple[dict[int, str], dict[int, TransferRequest], list | None]) -> None:
+    def finish(self, outcome: tuple[dict[int, TransferFailed], dict[int, TransferRequest], list | None]) -> None:
         failed, done, gathered = outcome
         for request_id, error in failed.items():
-            fail_future(self._jobs_by_id.pop(request_id).future, TransferFailed(error))
+            fail_future(self._jobs_by_id.pop(request_id).future, error)
         for request_id, request in done.items():
             job = self._jobs_by_id.pop(request_id)
             if request.state is not RequestState.GENERATION_TRANS_COMPLETE:
                 fail_future(job.future, TransferFailed(request.error or "the transfer failed"))
                 continue
-            self._held[request_id] = np.asarray(job.prompt)
+            # a prompt not checked against its params is never matched: its blocks wait for eviction only
+            self._held[request_id] = np.asarray(job.prompt) if job.verified else None
             per_rank = [pieces[request_id] for pieces in gathered]
             whole = join_pieces([piece for piece, _ in per_rank], self.state, self.geometry)
             cache = model_cache(whole, self.geometry, self.model.config)
@@ -177,6 +188,11 @@ class GenEngine(Engine):
 
     def has_local_work(self) -> bool:
         return bool(self._decoding)
+
+    @property
+    def decoding(self) -> int:
+        """Requests past their transfer, being decoded (for ``/health``)."""
+        return len(self._decoding)
 
     def local_work(self) -> None:
         """One greedy token for every request being decoded (round robin keeps concurrent clients fair)."""
@@ -198,7 +214,7 @@ class GenEngine(Engine):
             fail_future(job.future, error)
         self._jobs_by_id.clear()
         for entry in self._decoding:
-            entry.job.emit(None)
+            entry.job.emit(error)  # a decoding cut short is a failure, never a finished completion
         self._decoding.clear()
 
 

@@ -1,7 +1,8 @@
 """Starting a router, ctx and gen servers as real processes on free localhost ports, and stopping all of them.
 
 Each server runs in its own process group (an mpiexec job and its ranks together), so ``stop`` (also reached on
-Ctrl-C or a failure, as a context manager) leaves nothing behind; ``kill`` is the fault a test injects.
+Ctrl-C or a failure, as a context manager) leaves nothing behind; ``kill`` and ``pause`` are the faults a test
+injects.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class Server:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP to its process group): alive to its peers, answering nothing."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
@@ -68,6 +76,7 @@ class Server:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, signal.SIGCONT)  # a paused server acts on it too
         try:
             self.process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -81,8 +90,10 @@ class InstanceArgs:
     tp: int = 1
     layout: str = "block_major"
     extra: tuple[str, ...] = ()
+    model: Path | None = None  # another checkpoint than the cluster's (an incompatible pair)
 
     def argv(self, model: Path, dtype: str) -> list[str]:
+        model = self.model or model
         return ["--model", str(model), "--dtype", dtype, "--tp", str(self.tp), "--layout", self.layout, *self.extra]
 
 

@@ -1,17 +1,20 @@
 """The router: an OpenAI-style ``/v1/completions`` over ctx and gen instances.
 
-A prompt (token ids, or text through the byte-level tokenizer: one id per UTF-8 byte) goes to the ctx instance
-with the fewest requests in flight; its params go to the gen instance chosen the same way, whose tokens come
-back, whole or as server-sent events. Both hops happen before the response starts, so any failure is an HTTP
-status: 4xx as the server said it, 409 for an incompatible pair, 502/504 when a server or its transfer failed.
+A prompt (token ids, or text through the byte-level tokenizer: one id per UTF-8 byte) is checked against the
+longest prompt its servers take (their ``/health``), then goes to the ctx instance with the fewest requests in
+flight; its params go to the gen instance chosen the same way, whose tokens come back, whole or as server-sent
+events (``completions``). Both hops happen before the response starts, so any failure up to the first token is an
+HTTP status: 4xx as the server said it, 409 for an incompatible pair or used params, 502/504 when a server or its
+transfer failed, 503 when one is full. A failure after it is never a success: a 502 (non-streamed) or an error
+event without ``data: [DONE]`` (streamed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -19,28 +22,16 @@ from typing import TypeVar
 import httpx
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
 
-from nixl_kv.serving.gen_server import MAX_NEW_TOKENS
-from nixl_kv.serving.http_common import add_common_routes
+from nixl_kv.serving.completions import Completion, CompletionBody, decode_tokens, encode_text
+from nixl_kv.serving.http_common import add_common_routes, passed_on
+from nixl_kv.serving.limits import Admission, PromptLimit, ServerLimits, in_flight_refusal
+
+__all__ = ["Backends", "Unreachable", "create_router_app", "decode_tokens", "encode_text"]
 
 T = TypeVar("T")
 DOWN_S = 5.0  # a server that could not be connected to is passed over this long
-
-
-def encode_text(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def decode_tokens(tokens: list[int]) -> str:
-    return bytes(token for token in tokens if token < 256).decode("utf-8", errors="replace")
-
-
-class CompletionBody(BaseModel):
-    prompt: list[int] | str = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1, le=MAX_NEW_TOKENS)
-    stream: bool = False
-    model: str | None = None
+NO_SUMMARY = "the stream ended without its summary line"
 
 
 @dataclass
@@ -73,62 +64,53 @@ class Backends:
         self.in_flight[url] -= 1
 
 
-def create_router_app(ctx_urls: list[str], gen_urls: list[str], timeout_s: float = 60.0) -> FastAPI:
+def create_router_app(
+    ctx_urls: list[str], gen_urls: list[str], timeout_s: float = 60.0, limits: ServerLimits | None = None
+) -> FastAPI:
+    limits = limits or ServerLimits()
     app = FastAPI(title="nixl_kv router")
     ctx, gen = Backends(list(ctx_urls)), Backends(list(gen_urls))
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
-    add_common_routes(app, "router", lambda: True, lambda: {"ctx": ctx.urls, "gen": gen.urls})
+    prompt_limit = PromptLimit([*ctx.urls, *gen.urls])
+    admission = Admission(limits.max_in_flight, in_flight_refusal("router", limits.max_in_flight))
+    add_common_routes(app, "router", lambda: True, lambda: {"ctx": ctx.urls, "gen": gen.urls}, limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> object:
         prompt = encode_text(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        started = time.perf_counter()
-        prefilled, ctx_url = await _first_reachable(
-            ctx, "ctx", lambda url: _call(client, url, "/prefill", {"prompt": prompt}, "ctx")
-        )
-        ctx.done(ctx_url)
-        request = {
-            "params": prefilled["params"],
-            "prompt": prompt,
-            "first_token": prefilled["first_token"],
-            "max_tokens": body.max_tokens,
-        }
-        lines, gen_url = await _first_reachable(gen, "gen", lambda url: _open_stream(client, url, request))
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return StreamingResponse(
-                _events(lines, completion_id, lambda: gen.done(gen_url)), media_type="text/event-stream"
+        longest = await prompt_limit.get(client)
+        if longest is not None and len(prompt) > longest:
+            raise HTTPException(
+                422,
+                f"the prompt has {len(prompt)} tokens; the model takes at most {longest} "
+                "(the least max_prompt_tokens of the ctx and gen servers)",
             )
+        ticket = admission.admit()
+        streaming = False
         try:
-            tokens, summary = [], {}
-            async for line in lines:
-                if "token" in line:
-                    tokens.append(line["token"])
-                else:
-                    summary = line
+            prefilled, ctx_url = await _first_reachable(
+                ctx, "ctx", lambda url: _call(client, url, "/prefill", {"prompt": prompt}, "ctx")
+            )
+            ctx.done(ctx_url)
+            request = {
+                "params": prefilled["params"],
+                "prompt": prompt,
+                "first_token": prefilled["first_token"],
+                "max_tokens": body.max_tokens,
+            }
+            lines, gen_url = await _first_reachable(gen, "gen", lambda url: _open_stream(client, url, request))
+            completion = Completion(len(prompt), body.max_tokens, body.model or "nixl_kv", ctx_url, gen_url)
+            if body.stream:
+                streaming = True
+                events = _events(lines, completion, lambda: (gen.done(gen_url), ticket.release()))
+                return StreamingResponse(events, media_type="text/event-stream")
+            try:
+                return completion.response(await _collect(lines, completion))
+            finally:
+                gen.done(gen_url)
         finally:
-            gen.done(gen_url)
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model or "nixl_kv",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": decode_tokens(tokens),
-                    "token_ids": tokens,
-                    "finish_reason": summary.get("finish_reason", "stop"),
-                }
-            ],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
-            "nixl_kv": {
-                "ctx": ctx_url,
-                "gen": gen_url,
-                "seconds": round(time.perf_counter() - started, 6),
-                **_figures(summary),
-            },
-        }
+            if not streaming:
+                ticket.release()
 
     @app.on_event("shutdown")
     async def close_client() -> None:
@@ -192,51 +174,52 @@ async def _open_stream(client: httpx.AsyncClient, base: str, payload: dict) -> A
                 if line:
                     yield json.loads(line)
         except httpx.HTTPError as exc:
-            yield {"error": f"gen server {base} failed mid-stream: {type(exc).__name__}: {exc}"}
+            yield {"error": f"the stream broke: {type(exc).__name__}: {exc or 'connection lost'}", "status": 502}
+        except ValueError:
+            yield {"error": "the stream carried a line that is not JSON", "status": 502}
         finally:
             await response.aclose()
 
     return lines()
 
 
-async def _events(lines: AsyncIterator[dict], completion_id: str, on_end: object) -> AsyncIterator[bytes]:
-    try:
+async def _collect(lines: AsyncIterator[dict], completion: Completion) -> dict:
+    """Every token of a non-streamed completion, and the summary; GenFailed unless the stream ended in it."""
+    async with contextlib.aclosing(lines):
         async for line in lines:
-            if "token" in line:
-                choice = {"index": 0, "text": decode_tokens([line["token"]]), "token_ids": [line["token"]]}
-                event = {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "choices": [{**choice, "finish_reason": None}],
-                }
-            elif "error" in line:
-                event = {"id": completion_id, "error": line["error"]}
-            else:
-                choice = {"index": 0, "text": "", "token_ids": [], "finish_reason": line.get("finish_reason")}
-                event = {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "choices": [choice],
-                    "nixl_kv": _figures(line),
-                }
-            yield f"data: {json.dumps(event)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+            summary = completion.take(line)
+            if summary is not None:
+                return summary
+    raise completion.failure(502, NO_SUMMARY)
+
+
+async def _events(
+    lines: AsyncIterator[dict], completion: Completion, on_end: Callable[[], object]
+) -> AsyncIterator[bytes]:
+    """The server-sent events: a token each, then the finish reason and ``data: [DONE]``, or an error event."""
+    try:
+        async with contextlib.aclosing(lines):
+            async for line in lines:
+                try:
+                    summary = completion.take(line)
+                except HTTPException as failure:
+                    yield completion.error_event(failure)
+                    return
+                if summary is not None:
+                    yield completion.summary_event(summary)
+                    return
+                yield completion.token_event(completion.tokens[-1])
+        yield completion.error_event(completion.failure(502, NO_SUMMARY))
     finally:
         on_end()
 
 
-def _figures(summary: dict) -> dict:
-    """The transfer's figures from the gen server's last line."""
-    return {k: summary[k] for k in ("transfer_bytes", "transfer_ms", "reused_blocks") if k in summary}
-
-
-def _passed_on(status: int) -> int:
-    """A server's 4xx is the client's fault and passes on as it is; a 5xx is the router's upstream failing."""
-    return status if status < 500 or status in (503, 504) else 502
+_passed_on = passed_on  # (its old name)
 
 
 def _detail(response: httpx.Response) -> str:
     try:
-        return str(response.json().get("detail", response.text))
+        answer = response.json()
     except ValueError:
         return response.text
+    return str(answer.get("detail", response.text)) if isinstance(answer, dict) else response.text

@@ -12,6 +12,7 @@ import signal
 import sys
 
 from nixl_kv.layout import LayoutKind
+from nixl_kv.serving.limits import MAX_BODY_BYTES, MAX_IN_FLIGHT, MAX_UNPULLED, ServerLimits
 
 LAYOUTS = {"block_major": LayoutKind.BLOCK_MAJOR, "nhd": LayoutKind.PER_LAYER_NHD, "hnd": LayoutKind.PER_LAYER_HND}
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -30,6 +31,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--num-blocks", type=int, default=512, help="ctx/gen: KV blocks per rank")
     serve.add_argument("--max-prompt-tokens", type=int, default=1024)
     serve.add_argument("--transfer-timeout-ms", type=int, default=10_000, help="gen: a transfer's deadline")
+    serve.add_argument("--lease-ms", type=int, default=60_000, help="ctx: how long a request's blocks await a reader")
+    serve.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="a request body's limit (413)")
+    serve.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT, help="requests served at once (503 past)")
+    serve.add_argument(
+        "--max-unpulled", type=int, default=MAX_UNPULLED, help="ctx: params handed out and not yet pulled (503 past)"
+    )
     serve.add_argument("--ctx", action="append", default=[], help="router: a ctx server's URL (repeatable)")
     serve.add_argument("--gen", action="append", default=[], help="router: a gen server's URL (repeatable)")
 
@@ -41,12 +48,14 @@ def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
         from nixl_kv.serving.router import create_router_app
 
-        return _run(create_router_app(args.ctx, args.gen), args)
+        return _run(create_router_app(args.ctx, args.gen, limits=_limits(args)), args)
     if not args.model:
         print(f"nixl-kv serve {args.role}: --model DIR is required", file=sys.stderr)
         return 2
-    if args.tp < 1 or args.num_blocks < 1 or args.tokens_per_block < 1:
-        print(f"nixl-kv serve {args.role}: --tp, --num-blocks and --tokens-per-block must be >= 1", file=sys.stderr)
+    positive = ("tp", "num_blocks", "tokens_per_block", "lease_ms", "max_body_bytes", "max_in_flight", "max_unpulled")
+    if any(getattr(args, name) < 1 for name in positive):
+        flags = ", ".join("--" + name.replace("_", "-") for name in positive)
+        print(f"nixl-kv serve {args.role}: {flags} must be >= 1", file=sys.stderr)
         return 2
     world = next((int(os.environ[name]) for name in MPI_SIZE_VARIABLES if name in os.environ), None)
     if args.tp > 1 and world is None:
@@ -73,6 +82,7 @@ def _serve_instance(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         max_prompt_tokens=args.max_prompt_tokens,
         transfer_timeout_ms=args.transfer_timeout_ms,
+        lease_ms=args.lease_ms,
     )
     comm = MpiComm() if args.tp > 1 else SingleProcessComm()
     if args.role == "ctx":
@@ -92,9 +102,13 @@ def _serve_instance(args: argparse.Namespace) -> int:
         return 0
     engine.start()
     try:
-        return _run(create_app(engine), args)
+        return _run(create_app(engine, _limits(args)), args)
     finally:
         engine.stop()
+
+
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(args.max_body_bytes, args.max_in_flight, args.max_unpulled)
 
 
 def _run(app: object, args: argparse.Namespace) -> int:
