@@ -32,12 +32,12 @@ from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics
-from nixl_kv.params_seal import encode_params
+from nixl_kv.params import ParamsMaker
 from nixl_kv.peers import PEER_IDLE_S, PEER_SWEEP_S
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.requests import TransferRequest
-from nixl_kv.state import CacheState, ContextPhaseParams
+from nixl_kv.state import CacheState
 from nixl_kv.topology import layer_range, position
 from nixl_kv.views import pool_views
 
@@ -83,6 +83,11 @@ class SenderContext:
     hold_key: bytes = b""
     board: HoldBoard | None = None
     hold_promise_ms: int = 0
+
+    def params_maker(self) -> ParamsMaker:
+        return ParamsMaker(
+            self.serialized_state, self.lease_ms, self.cache_state.parallel.dp_rank, self.rank, self.auth_key
+        )
 
 
 class CacheSender:
@@ -144,7 +149,8 @@ class CacheSender:
         deadline = request.transfer_start + self._context.lease_ms / 1000
         request.transfer_deadline = deadline
         entry = _Outgoing(request, blocks, num_blocks, deadline, future, progress=progress)
-        entry.secret = request_secret(self._context.auth_key, request.request_id)
+        maker = self._context.params_maker()
+        entry.secret = maker.secret(request.request_id)
         with self._lock:  # the hold is posted before any thread can see (and so finish) the entry
             if request.request_id in self._outgoing:
                 self._cache.unpin(request.request_id)
@@ -152,23 +158,17 @@ class CacheSender:
             self._post_hold(entry, rnn_slot)
             self._outgoing[request.request_id] = entry
             heapq.heappush(self._leases, (deadline, next(self._lease_order), request.request_id, entry))
-        params = ContextPhaseParams(
-            request_id=request.request_id,
-            ctx_state=self._context.serialized_state,
-            block_ids=block_ids_per_cp,
-            num_tokens=request.num_tokens,
-            lease_ms=self._context.lease_ms,
-            ctx_dp_rank=self._context.cache_state.parallel.dp_rank,
-            first_gen_tokens=request.first_gen_tokens,
-            draft_tokens=request.draft_tokens,
+        request.context_phase_params = maker.make(
+            request.request_id,
+            block_ids_per_cp,
+            request.num_tokens,
+            request.first_gen_tokens,
+            request.draft_tokens,
             layerwise=progress is not None,
             rnn_slot=rnn_slot,
-            ctx_rank=self._context.rank,
             masked_promise=entry.masked_promise if entry.posted and progress is None else 0,
-            secret=entry.secret,
             prompt_digest=request.prompt_digest,
         )
-        request.context_phase_params = encode_params(params)
         self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
 

@@ -27,6 +27,7 @@ from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing, clock_domain
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
+from nixl_kv.params import ParamsMaker
 from nixl_kv.pool_checks import check_indexer_pools, check_kv_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
@@ -144,6 +145,7 @@ class CacheTransceiver:
             self._board,
             self.config.hold_promise_ms,
         )
+        self._params_maker = sender_context.params_maker()
         self.metrics = TransferMetrics(self.instance_id)
         self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging, self.metrics)
         self._receiver = CacheReceiver(
@@ -295,6 +297,11 @@ class CacheTransceiver:
 
     def get_serialized_data_transceiver_state(self) -> bytes:
         return self._serialized_state
+
+    def params_maker(self) -> ParamsMaker:
+        """What makes this instance's params without responding (``nixl_kv.params``): for an engine whose
+        scheduler hands out the params of requests its workers respond to. Holds the instance's private key."""
+        return self._params_maker
 
     def close(self) -> None:
         """Fail what is in flight, stop the progress loop, release every agent resource."""
