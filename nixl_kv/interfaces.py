@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nixl_kv.layout import KVLayout, MemoryKind, MemoryRegion, RnnLayout
+from nixl_kv.layout import KVLayout, MemoryKind, MemoryRegion, Parts, RnnLayout
 from nixl_kv.state import CacheState, DataTransceiverState
 
 
@@ -108,20 +108,28 @@ class TransferAgent(ABC):
 
 @dataclass(frozen=True)
 class Box:
-    """A slice of one request's KV in global coordinates: layers, kv heads, block positions in the request."""
+    """A slice of one request's KV in global coordinates: layers, kv heads, block positions in the request.
+
+    Where the ctx and gen blocks hold different numbers of tokens, a staged piece counts whole ctx blocks (the ctx
+    packs it knowing only its own size): ``tokens_per_block`` says how many tokens one of ``blocks`` holds (0: the
+    holder's own), and ``tokens`` which global tokens of them the reader takes (None: all)."""
 
     layers: range
     heads: range
     blocks: range
+    tokens_per_block: int = 0
+    tokens: range | None = None
 
 
 @dataclass(frozen=True)
 class LocalBox:
-    """A box in one rank's own terms: its block ids and its local layer and head indices."""
+    """A box in one rank's own terms: its block ids and its local layer and head indices; ``parts``: entry i is only
+    a token run of block ``block_ids[i]`` (the peer's blocks hold another number of tokens)."""
 
     block_ids: np.ndarray
     layers: range
     heads: range
+    parts: Parts | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,7 @@ class ReadRequest:
     only_peer: int | None = None  # plan only the reads from this ctx rank
     stage_bytes: int = 0  # the largest piece both sides' staging slots hold
     direct_min_run_bytes: int = 8192  # shorter runs of partial slices are staged (see CacheTransceiverConfig)
+    layerwise: bool = False  # the ctx announces layers as they are ready: the KV is read layer range by range
     self_indexer: KVLayout | None = None  # the gen rank's indexer-K pools (MLA with DSA)
     self_rnn: RnnLayout | None = None  # the gen rank's Mamba state pools
     self_rnn_slot: int | None = None  # the request's Mamba state slot here and on the ctx side

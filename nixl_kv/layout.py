@@ -41,6 +41,28 @@ class MemoryRegion:
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A box's blocks as token runs of this rank's blocks, where the peer's blocks hold another number of tokens.
+
+    Entry i is tokens ``[index[i] * tokens, (index[i] + 1) * tokens)`` of the box's i-th block. Packed data
+    (``[layer, kv, head, token, dim]``, whole peer blocks) holds ``runs`` runs of ``tokens`` per (layer, kv, head);
+    entry i is run ``skip + i``. The runs before ``skip`` and after the last entry are tokens this rank does not take
+    (it holds them already: prefix reuse; or they lie past the request's end). ``peer_tokens``: the tokens of one
+    peer block (whole block-major peer segments are ``[block, layer, kv, head, token, dim]``)."""
+
+    tokens: int
+    index: np.ndarray
+    skip: int = 0
+    runs: int = 0
+    peer_tokens: int = 0
+
+    @property
+    def peer_blocks(self) -> int:
+        """Whole peer blocks in the packed data."""
+        return self.runs * self.tokens // self.peer_tokens
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """The shape and placement of one rank's paged KV cache.
 
@@ -141,9 +163,10 @@ class KVLayout:
             return self.num_heads * self.kv_factor
         return self.num_heads
 
-    def unit_addresses(self, indices: np.ndarray, coarse: bool) -> np.ndarray:
-        """The addresses of descriptor entries of ``unit_descriptors(coarse)``, by index."""
-        unit = self.segment_bytes if coarse else self.unit_bytes
+    def unit_addresses(self, indices: np.ndarray, coarse: bool, split: int = 1) -> np.ndarray:
+        """The addresses of descriptor entries of ``unit_descriptors(coarse)``, by index; with ``split``, of the
+        units cut into that many equal parts (index ``unit * split + part``)."""
+        unit = (self.segment_bytes if coarse else self.unit_bytes) // split
         per_pool = self.pool_bytes // unit
         index = np.asarray(indices, dtype=np.int64)
         bases = np.array([pool.address for pool in self.pools], dtype=np.int64)
@@ -164,25 +187,55 @@ class KVLayout:
         """Descriptor indices of the units of a box, in the logical order (block, layer, kv, head) when
         ``block_first`` else (layer, kv, block, head). ``layers`` and ``heads`` are local; ``heads`` is None for
         whole chunks (NHD). Both sides of a read use the same logical order, so entry i matches entry i."""
+        grid = self._unit_grid(blocks, layers, heads, block_first)
+        return np.ascontiguousarray(self._unit_index(grid), dtype=np.int32).reshape(-1)
+
+    def part_addresses(
+        self,
+        blocks: np.ndarray,
+        parts: Parts,
+        layers: range,
+        heads: range | None,
+        block_first: bool,
+    ) -> np.ndarray:
+        """Addresses of the units of a box whose i-th block is only its token run ``parts.index[i]`` (a peer's
+        blocks hold fewer tokens), in ``unit_indices``' order: a unit's run is one contiguous ``unit_bytes /
+        split`` bytes (a head's tokens, or for NHD a chunk, of whole tokens)."""
+        split = self.split_of(parts.tokens)
+        grid = self._unit_grid(blocks, layers, heads, block_first)
+        index = self._unit_index(grid) * split + np.asarray(parts.index, dtype=np.int64).reshape(grid["b"].shape)
+        return self.unit_addresses(index.reshape(-1), False, split)
+
+    def split_of(self, tokens: int) -> int:
+        """How many runs of ``tokens`` tokens a block holds (``tokens`` must divide ``tokens_per_block``)."""
+        if tokens < 1 or self.tokens_per_block % tokens:
+            raise ValueError(f"runs of {tokens} tokens do not divide blocks of {self.tokens_per_block}")
+        return self.tokens_per_block // tokens
+
+    def _unit_grid(
+        self, blocks: np.ndarray, layers: range, heads: range | None, block_first: bool
+    ) -> dict[str, np.ndarray]:
+        """The box's block, layer, kv and head indices as arrays broadcasting over the logical order."""
         b = np.asarray(blocks, dtype=np.int64)
         l_ = np.arange(layers.start, layers.stop, dtype=np.int64)
         k = np.arange(self.kv_factor, dtype=np.int64)
         h = np.arange(heads.start, heads.stop, dtype=np.int64) if heads is not None else np.zeros(1, np.int64)
         axes = ("b", "l", "k", "h") if block_first else ("l", "k", "b", "h")
-        grid = {
+        return {
             name: values.reshape([-1 if axis == name else 1 for axis in axes])
             for name, values in (("b", b), ("l", l_), ("k", k), ("h", h))
         }
+
+    def _unit_index(self, grid: dict[str, np.ndarray]) -> np.ndarray:
+        """The unit index of every point of a ``_unit_grid`` (int64, the grid's full shape)."""
         L, K, H, NB = self.num_layers, self.kv_factor, self.num_heads, self.num_blocks
         if self.kind is LayoutKind.BLOCK_MAJOR:
-            index = ((grid["b"] * L + grid["l"]) * K + grid["k"]) * H + grid["h"]
-        elif self.kind is LayoutKind.PER_LAYER_HND:
-            index = ((grid["l"] * K + grid["k"]) * NB + grid["b"]) * H + grid["h"]
-        elif self.kind is LayoutKind.PER_LAYER_HKND:
-            index = ((grid["l"] * NB + grid["b"]) * H + grid["h"]) * K + grid["k"]
-        else:
-            index = (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
-        return np.ascontiguousarray(index, dtype=np.int32).reshape(-1)
+            return ((grid["b"] * L + grid["l"]) * K + grid["k"]) * H + grid["h"]
+        if self.kind is LayoutKind.PER_LAYER_HND:
+            return ((grid["l"] * K + grid["k"]) * NB + grid["b"]) * H + grid["h"]
+        if self.kind is LayoutKind.PER_LAYER_HKND:
+            return ((grid["l"] * NB + grid["b"]) * H + grid["h"]) * K + grid["k"]
+        return (grid["l"] * K + grid["k"]) * NB + grid["b"] + grid["h"] * 0
 
     def chunk_addresses(self, blocks: np.ndarray, layers: range, block_first: bool) -> np.ndarray:
         """Addresses of a box's (block, layer, kv) chunks (all heads), ordered (block, layer, kv) when

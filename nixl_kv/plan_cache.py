@@ -8,7 +8,10 @@ planned once with *positions* for block ids (0, 1, 2, ...); later ones turn thei
 gather: ``index = template + (ids[position] - position) * stride``.
 
 Plans that read per-request state (Mamba state, the indexer-K cache) depend on more than block ids; they are
-planned from scratch every time (their key is remembered as such).
+planned from scratch every time (their key is remembered as such). So are direct reads between ctx and gen blocks
+of different sizes: their entries are token runs of the larger blocks, read as explicit rows (``RangeRead``), which
+no prepared descriptor list holds. The key counts the request's blocks on both sides: with different block sizes,
+requests with as many ctx blocks may need different numbers of gen blocks.
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ class PlanCache:
         key = (
             id(request.peer_state),
             num_blocks,
+            -(-request.num_tokens // request.self_layout.tokens_per_block),  # ours: the ctx's may be another size
+            request.layerwise,  # layer-wise requests stage what other requests read as rows (block sizes differ)
             request.first_block,
             request.peer_dp_rank,
             len(request.local_block_ids),

@@ -404,6 +404,7 @@ class CacheReceiver:
             first_block=request.reused_blocks,
             stage_bytes=self._stage_bytes(ctx_state),
             direct_min_run_bytes=self._direct_min_run_bytes,
+            layerwise=params.layerwise,
             self_indexer=getattr(self._cache, "indexer_layout", None),
             self_rnn=getattr(self._cache, "rnn_layout", None),
             self_rnn_slot=self._local_slot(request.request_id),

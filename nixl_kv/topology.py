@@ -32,6 +32,39 @@ class Share:
     blocks: range
 
 
+@dataclass(frozen=True)
+class BlockGrid:
+    """A request's tokens in blocks of the smaller of the gen and ctx block sizes (each is a whole multiple of it).
+
+    Planning counts blocks of this grid, so both sides' shares and slices are ranges of one kind of block: grid
+    block g holds tokens ``[g * tokens, (g + 1) * tokens)`` and is token run ``g % split`` of block ``g // split`` of
+    a side whose blocks hold ``split`` of them (the other side's ``split`` is 1). Equal sizes: the sides' blocks.
+    """
+
+    tokens: int
+    gen_split: int = 1
+    ctx_split: int = 1
+
+    @classmethod
+    def of(cls, gen_tokens_per_block: int, ctx_tokens_per_block: int) -> BlockGrid:
+        tokens = min(gen_tokens_per_block, ctx_tokens_per_block)
+        if max(gen_tokens_per_block, ctx_tokens_per_block) % tokens:
+            raise NotSupportedError(
+                f"tokens_per_block: gen {gen_tokens_per_block}, ctx {ctx_tokens_per_block}: one must be a whole "
+                "multiple of the other"
+            )
+        return cls(tokens, gen_tokens_per_block // tokens, ctx_tokens_per_block // tokens)
+
+    @property
+    def uniform(self) -> bool:
+        """Both sides' blocks hold the same tokens (grid blocks are their blocks)."""
+        return self.gen_split == self.ctx_split == 1
+
+    def blocks(self, num_tokens: int) -> int:
+        """Grid blocks of a request of ``num_tokens`` tokens (the last one may be partly filled)."""
+        return -(-num_tokens // self.tokens)
+
+
 def position(parallel: ParallelConfig, rank: int) -> Position:
     return Position(rank % parallel.tp, (rank // parallel.tp) % parallel.cp, rank // (parallel.tp * parallel.cp))
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
+from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion, Parts
 from nixl_kv.memory import array_module
 
 
@@ -73,20 +73,47 @@ def _chunk(layout: KVLayout, views: list[Any], layer: int, kv: int) -> Any:
     return views[layer * layout.kv_factor + kv]
 
 
-def scatter(layout: KVLayout, views: list[Any], blocks: Any, layers: range, heads: range, values: Any) -> None:
-    """Write a ``[layer, kv, head, token, dim]`` box (whole blocks of tokens) into the pools."""
+def _split_chunk(layout: KVLayout, views: list[Any], layer: int, kv: int, split: int) -> Any:
+    """``_chunk`` with its token axis cut into ``[split, tokens / split]``."""
+    if layout.kind is LayoutKind.PER_LAYER_HKND:
+        return _split_tokens(views[layer], 3, split)[:, :, kv]
+    axis = 1 if layout.kind is LayoutKind.PER_LAYER_NHD else 2
+    return _split_tokens(views[layer * layout.kv_factor + kv], axis, split)
+
+
+def _split_tokens(pool: Any, axis: int, split: int) -> Any:
+    """A pool with its token axis cut into ``[split, tokens / split]``: cut before any slicing, the pool is
+    contiguous, so this is a view (writes through it land in the pool), never a copy."""
+    shape = pool.shape[:axis] + (split, pool.shape[axis] // split) + pool.shape[axis + 1 :]
+    return pool.reshape(shape)
+
+
+def scatter(
+    layout: KVLayout,
+    views: list[Any],
+    blocks: Any,
+    layers: range,
+    heads: range,
+    values: Any,
+    parts: Parts | None = None,
+) -> None:
+    """Write a ``[layer, kv, head, token, dim]`` box into the pools: whole blocks of tokens, or with ``parts`` the
+    run ``parts.index[i]`` of ``parts.tokens`` tokens of each block ``blocks[i]`` (``values`` then holds those runs)."""
     xp = array_module(layout.pools[0].memory)
-    index = xp.asarray(blocks)
-    n, T, D = len(blocks), layout.tokens_per_block, layout.head_dim
+    n, D = len(blocks), layout.head_dim
+    T = layout.tokens_per_block if parts is None else parts.tokens
+    split = layout.split_of(T)
+    index = (xp.asarray(blocks), xp.zeros(n, dtype=np.int64) if parts is None else xp.asarray(parts.index))
     hs = slice(heads.start, heads.stop)
     boxed = values.reshape(len(layers), layout.kv_factor, len(heads), n, T, D)
-    if layout.kind is LayoutKind.BLOCK_MAJOR:
-        views[0][index, layers.start : layers.stop, :, hs] = boxed.transpose(3, 0, 1, 2, 4, 5)
+    if layout.kind is LayoutKind.BLOCK_MAJOR:  # the two index arrays lead the result: [n, layer, kv, head, T, D]
+        pool = _split_tokens(views[0], 4, split)
+        pool[index[0], layers.start : layers.stop, :, hs, index[1]] = boxed.transpose(3, 0, 1, 2, 4, 5)
         return
     for i, layer in enumerate(layers):
         for kv in range(layout.kv_factor):
-            chunk = _chunk(layout, views, layer, kv)
+            chunk = _split_chunk(layout, views, layer, kv, split)
             if layout.kind is LayoutKind.PER_LAYER_NHD:
-                chunk[index, :, hs] = boxed[i, kv].transpose(1, 2, 0, 3)  # [n, T, h, D]
+                chunk[index[0], index[1], :, hs] = boxed[i, kv].transpose(1, 2, 0, 3)  # [n, T, h, D]
             else:
-                chunk[index, hs] = boxed[i, kv].transpose(1, 0, 2, 3)  # [n, h, T, D]
+                chunk[index[0], hs, index[1]] = boxed[i, kv].transpose(1, 0, 2, 3)  # [n, h, T, D]

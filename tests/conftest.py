@@ -28,10 +28,16 @@ class Shape:
     head_dim: int = 8
     dtype: DataType = DataType.FLOAT16
     num_blocks: int = 64
+    attention_window: int = 0
 
     def state(self) -> CacheState:
         return CacheState(
-            ModelConfig((self.heads,) * self.layers, self.head_dim, self.tokens_per_block),
+            ModelConfig(
+                (self.heads,) * self.layers,
+                self.head_dim,
+                self.tokens_per_block,
+                attention_window=self.attention_window,
+            ),
             ParallelConfig(attention_layers_per_pp_rank=(self.layers,)),
             self.dtype,
         )
@@ -96,9 +102,10 @@ def pair_factory() -> Iterator:
         gen_kind: LayoutKind = LayoutKind.BLOCK_MAJOR,
         ctx_config: dict | None = None,
         gen_config: dict | None = None,
+        gen_shape: Shape | None = None,  # the gen side's, where it differs (its tokens per block, say)
     ) -> Pair:
         ctx = make_side(shape, ctx_kind, **(ctx_config or {}))
-        gen = make_side(shape, gen_kind, **(gen_config or {}))
+        gen = make_side(gen_shape or shape, gen_kind, **(gen_config or {}))
         made.extend([ctx, gen])
         return Pair(shape, ctx, gen)
 

@@ -56,8 +56,9 @@ CTX_HEADROOM_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """One instance's SPEC: ``tp=,pp=,cp=,dp=`` (dp 0/1: attention DP), ``layers=3:3:2:2`` (uneven PP split)
-    and ``layout=block_major|nhd|hnd`` (its pool layout)."""
+    """One instance's SPEC: ``tp=,pp=,cp=,dp=`` (dp 0/1: attention DP), ``layers=3:3:2:2`` (uneven PP split),
+    ``layout=block_major|nhd|hnd|hknd`` (its pool layout) and ``tokens_per_block=`` (its block size, where it
+    differs from ``--tokens-per-block``; one instance's must be a whole multiple of the other's)."""
 
     tp: int = 1
     pp: int = 1
@@ -65,6 +66,7 @@ class ParallelSpec:
     dp: int = 0
     layers: tuple[int, ...] = ()
     layout: str = "block_major"
+    tokens_per_block: int = 0  # 0: the model's (--tokens-per-block)
 
     @classmethod
     def parse(cls, text: str) -> ParallelSpec:
@@ -80,8 +82,8 @@ class ParallelSpec:
             else:
                 values[key] = int(value)
         spec = cls(**values)
-        if min(spec.tp, spec.pp, spec.cp) < 1 or spec.dp not in (0, 1):
-            raise ValueError(f"bad SPEC {text!r}: tp, pp, cp must be >= 1 and dp 0 or 1")
+        if min(spec.tp, spec.pp, spec.cp, values.get("tokens_per_block", 1)) < 1 or spec.dp not in (0, 1):
+            raise ValueError(f"bad SPEC {text!r}: tp, pp, cp must be >= 1, dp 0 or 1 and tokens_per_block >= 1")
         if spec.layers and (len(spec.layers) != spec.pp or min(spec.layers) < 1):
             raise ValueError(f"bad SPEC {text!r}: layers needs pp={spec.pp} positive counts")
         return spec
@@ -100,6 +102,7 @@ class ParallelSpec:
             dp=self.dp,
             layer_split=self.layers,
             layout=self.layout,
+            tokens_per_block=self.tokens_of(model),
         )
         head_duplication(spec.parallel(0), model.kv_heads)  # NotSupportedError when heads do not split over TP
         if model.rnn is not None:
@@ -109,6 +112,15 @@ class ParallelSpec:
             if self.layers:
                 raise ValueError("layers= (an uneven attention split) is not supported with --rnn")
         return spec
+
+    def tokens_of(self, model: InstanceSpec) -> int:
+        """This instance's tokens per block."""
+        return self.tokens_per_block or model.tokens_per_block
+
+    def blocks_for(self, model: InstanceSpec, requests: Iterable[int]) -> int:
+        """The blocks one round of ``requests`` takes here."""
+        tokens = self.tokens_of(model)
+        return sum(-(-n // tokens) for n in requests)
 
 
 def parse_rnn(text: str) -> RnnSpec:
@@ -398,16 +410,17 @@ def _rounds_held(round_bytes: int) -> int:
 def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
     """Run the pair; ``progress(text)`` is called as work advances."""
     say = progress or (lambda _text: None)
-    blocks = sum(-(-n // options.model.tokens_per_block) for n in options.requests)
     if options.model.attention == "mla" and options.ctx.cp > 1:
         raise NotSupportedError(f"MLA needs ctx CP 1 (got cp={options.ctx.cp}); gen CP is supported")
     if options.model.indexer_dim and options.model.attention != "mla":
         raise NotSupportedError("the indexer-K cache (--indexer-dim) belongs to MLA models (--attention mla)")
     model = replace(options.model, num_slots=len(options.requests))
-    held = _rounds_held(blocks * options.model.tokens_per_block * options.model.kv_bytes_per_token)
+    ctx_blocks = options.ctx.blocks_for(model, options.requests)
+    held = _rounds_held(ctx_blocks * options.ctx.tokens_of(model) * options.model.kv_bytes_per_token)
     ctx_model = replace(model, num_slots=model.num_slots * held)
-    ctx_spec = replace(options.ctx.instance(ctx_model, blocks * held), timeout_ms=None)  # a gen-side deadline
-    gen_spec = replace(options.gen.instance(model, blocks), gpu_base=ctx_spec.world_size)
+    ctx_spec = replace(options.ctx.instance(ctx_model, ctx_blocks * held), timeout_ms=None)  # a gen-side deadline
+    gen_spec = options.gen.instance(model, options.gen.blocks_for(model, options.requests))
+    gen_spec = replace(gen_spec, gpu_base=ctx_spec.world_size)
     if options.placement == "split":  # mismatched TP on two GPUs: the link between ctx and gen, not within
         ctx_spec, gen_spec = replace(ctx_spec, one_gpu=True), replace(gen_spec, gpu_base=1, one_gpu=True)
     elif options.placement != "default":
@@ -436,7 +449,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
         if not options.raw_read:
             return report
         say(f"measuring a raw {report.backend} READ of the same bytes")
-        block_bytes = options.model.kv_bytes_per_token * options.model.tokens_per_block
+        block_bytes = options.model.kv_bytes_per_token * ctx_spec.tokens_per_block
         _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
     finally:
         for worker in (ctx, gen):
