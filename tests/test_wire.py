@@ -44,24 +44,13 @@ Mutation = Callable[[dict[str, Any]], None]
 
 # --- builders --------------------------------------------------------------------------------------------------
 def make_layout(kind: LayoutKind, rank: int, num_layers: int, kv_factor: int = 2) -> KVLayout:
-    num_pools = 1 if kind is LayoutKind.BLOCK_MAJOR else num_layers * kv_factor
     num_heads, tokens_per_block, head_dim, itemsize, num_blocks = 4, 16, 64, 2, 32
-    chunk = num_heads * tokens_per_block * head_dim * itemsize
-    segment = num_layers * kv_factor * chunk if kind is LayoutKind.BLOCK_MAJOR else chunk
-    pool_bytes = num_blocks * segment
+    shape = KVLayout(kind, num_blocks, num_layers, kv_factor, num_heads, tokens_per_block, head_dim, itemsize, ())
     base = 0x7F00_0000_0000 + (rank << 32)
     memory = MemoryKind.VRAM if rank % 2 else MemoryKind.DRAM
-    pools = tuple(MemoryRegion(base + i * pool_bytes, pool_bytes, rank, memory) for i in range(num_pools))
-    return KVLayout(
-        kind=kind,
-        num_blocks=num_blocks,
-        num_layers=num_layers,
-        kv_factor=kv_factor,
-        num_heads=num_heads,
-        tokens_per_block=tokens_per_block,
-        head_dim=head_dim,
-        itemsize=itemsize,
-        pools=pools,
+    size = shape.pool_bytes
+    return dataclasses.replace(
+        shape, pools=tuple(MemoryRegion(base + i * size, size, rank, memory) for i in range(shape.num_pools))
     )
 
 
@@ -206,7 +195,7 @@ def assert_valid_object(result: Any, cls: type) -> None:
 def test_transceiver_state_round_trip(kind: LayoutKind, tp: int, pp: int, cp: int, rnn: bool) -> None:
     state = make_state(tp, pp, cp, kind, rnn)
     assert len(state.comm.ranks) == tp * pp * cp
-    expected_pools = 1 if kind is LayoutKind.BLOCK_MAJOR else 4
+    expected_pools = {LayoutKind.BLOCK_MAJOR: 1, LayoutKind.PER_LAYER_HKND: 2}.get(kind, 4)  # 2 layers per rank
     assert all(len(rank.layout.pools) == expected_pools for rank in state.comm.ranks)
     assert all(rank.layout.problems() == [] for rank in state.comm.ranks)
 
