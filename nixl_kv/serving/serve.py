@@ -39,6 +39,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--ctx", action="append", default=[], help="router: a ctx server's URL (repeatable)")
     serve.add_argument("--gen", action="append", default=[], help="router: a gen server's URL (repeatable)")
+    serve.add_argument(
+        "--engine",
+        choices=["nixl_kv", "vllm"],
+        default="nixl_kv",
+        help="router: what --ctx and --gen are: nixl_kv's reference servers, or vLLM OpenAI servers (prefill, decode)",
+    )
 
 
 def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -46,6 +52,10 @@ def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
         if not args.ctx or not args.gen:
             print("nixl-kv serve router: give at least one --ctx URL and one --gen URL", file=sys.stderr)
             return 2
+        if args.engine == "vllm":
+            from nixl_kv.vllm.router import create_app
+
+            return _run(create_app(args.ctx, args.gen), args)
         from nixl_kv.serving.router import create_router_app
 
         return _run(create_router_app(args.ctx, args.gen, limits=_limits(args)), args)
