@@ -218,7 +218,7 @@ class StandardFormatter(Formatter):
         nbytes = self.box_bytes(request.self_state.cache, box)
         coarse = _whole_segments(local_layout, remote_layout, piece, mine, theirs)  # consecutive blocks merge
         run = _direct_run_bytes(local_layout, remote_layout, piece, mine, theirs)
-        direct = coarse or 0 < run >= request.direct_min_run_bytes
+        direct = local_layout.same_interior(remote_layout) and (coarse or 0 < run >= request.direct_min_run_bytes)
         if direct and grid.uniform:
             block_first = local_layout.kind is remote_layout.kind is LayoutKind.BLOCK_MAJOR
             return PeerRead(

@@ -15,8 +15,10 @@ class LayoutKind(str, Enum):
     layers (the reference cache manager's layout).
     PER_LAYER_NHD: one pool per (layer, kv) ``[block, token, head, dim]`` (vLLM's layout).
     PER_LAYER_HND: one pool per (layer, kv) ``[block, head, token, dim]``.
-    PER_LAYER_HKND: one pool per layer ``[block, head, kv, token, dim]`` (vLLM's CPU attention backend: each head's
-    K tokens, then its V tokens).
+    PER_LAYER_HKND: one pool per layer ``[block, head, kv, ...]``, vLLM's CPU attention layout (its "vec" kernels):
+    per block and head, K dim-major ``[dim, token]``, then V token-major ``[token, dim]``. A unit (a head's K or V
+    of a block) holds the same bytes as elsewhere, in another order: only an HKND pool of the same block size reads
+    it as it is (``same_interior``); any other pairing is staged, and packing reorders K.
     """
 
     BLOCK_MAJOR = "block_major"
@@ -128,6 +130,14 @@ class KVLayout:
             if pool.nbytes < self.pool_bytes:
                 found.append(f"pool {i} holds {pool.nbytes} bytes, the layout needs {self.pool_bytes}")
         return found
+
+    def same_interior(self, other: KVLayout) -> bool:
+        """Whether a unit (a head's tokens of a block) orders its elements alike on both sides, so that bytes can
+        move as they are: everywhere but HKND, whose K is dim-major, which only another HKND of its block size does."""
+        hknd = (self.kind is LayoutKind.PER_LAYER_HKND, other.kind is LayoutKind.PER_LAYER_HKND)
+        if not any(hknd):
+            return True
+        return all(hknd) and self.tokens_per_block == other.tokens_per_block
 
     @property
     def heads_adjacent(self) -> bool:

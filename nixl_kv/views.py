@@ -18,8 +18,8 @@ from nixl_kv.memory import array_module
 
 def pool_views(layout: KVLayout) -> list[Any]:
     """One array per pool: ``[block, layer, kv, head, token, dim]`` for BLOCK_MAJOR, ``[block, token, head,
-    dim]`` (NHD), ``[block, head, token, dim]`` (HND) or ``[block, head, kv, token, dim]`` (HKND, a pool per layer)
-    for the per-layer kinds. The memory is not owned."""
+    dim]`` (NHD), ``[block, head, token, dim]`` (HND) or ``[block, head, kv, token * dim]`` (HKND, a pool per layer,
+    K dim-major: ``_hknd_chunk``) for the per-layer kinds. The memory is not owned."""
     L, K, H, T, D = layout.num_layers, layout.kv_factor, layout.num_heads, layout.tokens_per_block, layout.head_dim
     if layout.kind is LayoutKind.BLOCK_MAJOR:
         shape = (layout.num_blocks, L, K, H, T, D)
@@ -69,16 +69,26 @@ def _chunk(layout: KVLayout, views: list[Any], layer: int, kv: int) -> Any:
     """The (layer, kv) pool as ``[block, token, head, dim]`` (NHD) or ``[block, head, token, dim]`` (a strided view
     of the layer's pool for HKND)."""
     if layout.kind is LayoutKind.PER_LAYER_HKND:
-        return views[layer][:, :, kv]
+        return _hknd_chunk(views[layer], kv, 1)[:, :, 0]
     return views[layer * layout.kv_factor + kv]
 
 
 def _split_chunk(layout: KVLayout, views: list[Any], layer: int, kv: int, split: int) -> Any:
     """``_chunk`` with its token axis cut into ``[split, tokens / split]``."""
     if layout.kind is LayoutKind.PER_LAYER_HKND:
-        return _split_tokens(views[layer], 3, split)[:, :, kv]
+        return _hknd_chunk(views[layer], kv, split)
     axis = 1 if layout.kind is LayoutKind.PER_LAYER_NHD else 2
     return _split_tokens(views[layer * layout.kv_factor + kv], axis, split)
+
+
+def _hknd_chunk(pool: Any, kv: int, split: int) -> Any:
+    """K or V of an HKND layer pool as ``[block, head, split, tokens / split, dim]``, a view. vLLM's CPU attention
+    keeps a block's K dim-major (``[dim, token]``: its kernel reads one dim of every token at once) and its V
+    token-major (``[token, dim]``)."""
+    NB, H, K, T, D = pool.shape
+    if kv == 0:
+        return pool.reshape(NB, H, K, D, split, T // split)[:, :, 0].transpose(0, 1, 3, 4, 2)
+    return pool.reshape(NB, H, K, split, T // split, D)[:, :, kv]
 
 
 def _split_tokens(pool: Any, axis: int, split: int) -> Any:

@@ -78,8 +78,10 @@ def _paths(plans: list[list[PeerRead]]) -> set[str]:
 
 
 def _expected_path(ctx_kind: LayoutKind, gen_kind: LayoutKind, config: dict) -> str:
-    """Direct where both sides keep a head's tokens together (or both NHD), else staged: gathered from block-major."""
-    if config is DIRECT and (ctx_kind is K.PER_LAYER_NHD) == (gen_kind is K.PER_LAYER_NHD):
+    """Direct where both sides keep a head's tokens together (or both NHD) in the same order, else staged: gathered
+    from block-major. HKND (K dim-major) is never read as it is across block sizes: its runs are not token runs."""
+    hknd = K.PER_LAYER_HKND in (ctx_kind, gen_kind)
+    if config is DIRECT and not hknd and (ctx_kind is K.PER_LAYER_NHD) == (gen_kind is K.PER_LAYER_NHD):
         return "rows"
     return "gathered" if ctx_kind is K.BLOCK_MAJOR else "staged"
 

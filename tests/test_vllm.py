@@ -9,8 +9,9 @@ instance is the one a test kills.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Pair:
     aggregated: Server
     router: Server
     victim: Server  # a second prefill instance, for the test that kills one
+    wide: Server  # a decode instance of tensor-parallel size 2 (kv_both)
     client: httpx.Client
 
     def expected(self, prompt: list[int]) -> tuple[int, ...]:
@@ -60,11 +62,21 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         prefill = servers.start(Instance("kv_producer"), "prefill")
         victim = servers.start(Instance("kv_producer"), "victim")
         decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
+        wide = servers.start(Instance("kv_both", extra_args=("--tensor-parallel-size", "2")), "decode-tp2")
         aggregated = servers.start(Instance(), "aggregated")
         router = servers.start_router([prefill], [decode])
         servers.wait()
         with httpx.Client(timeout=120) as client:
-            yield Pair(prefill, decode, aggregated, router, victim, client)
+            yield Pair(prefill, decode, aggregated, router, victim, wide, client)
+
+
+def wait_for(read: Callable[[], float], settle_s: float = 3.0) -> float:
+    """A counter once it stops changing (connector stats reach /metrics with a later engine step)."""
+    value, deadline = read(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = read()
+    return value
 
 
 def prefilled_params(pair: Pair, server: Server, prompt: list[int]) -> dict:
@@ -74,7 +86,9 @@ def prefilled_params(pair: Pair, server: Server, prompt: list[int]) -> dict:
     return response.json()["kv_transfer_params"]
 
 
-def decode_with(pair: Pair, prompt: list[int], params: dict) -> tuple[int, tuple[int, ...]]:
+def decode_with(
+    pair: Pair, prompt: list[int], params: dict, decode: Server | None = None
+) -> tuple[int, tuple[int, ...]]:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -84,8 +98,16 @@ def decode_with(pair: Pair, prompt: list[int], params: dict) -> tuple[int, tuple
         "return_token_ids": True,
         "kv_transfer_params": params,
     }
-    response = pair.client.post(pair.decode.url + "/v1/completions", json=body)
+    response = pair.client.post((decode or pair.decode).url + "/v1/completions", json=body)
     return response.status_code, tuple(response.json()["choices"][0]["token_ids"]) if response.is_success else ()
+
+
+def test_nixl_kv_reads_a_kv_cache_as_vllm_cpu_kernels_write_it() -> None:
+    """vLLM's own kernel writes K and V; nixl_kv's view of the tensor reads back every element (K is dim-major)."""
+    probe = subprocess.run([PYTHON, str(ROOT / "tests" / "vllm_layout_probe.py")], capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    lines = [line for line in probe.stdout.splitlines() if line.startswith("block")]
+    assert lines == ["block 32 isa vec: 0 mismatched of 24576", "block 64 isa vec: 0 mismatched of 49152"]
 
 
 @pytest.mark.parametrize("length", [1, 33, 257, 1000])
@@ -123,6 +145,14 @@ def test_params_for_another_prompt_or_damaged_are_computed_there_instead(pair: P
     damaged = dict(params, nixl_kv_params=params["nixl_kv_params"][:-8] + "AAAAAAAA")
     assert decode_with(pair, prompt, damaged) == (200, pair.expected(prompt))
     assert pair.counter(RECEIVED) == before  # neither was pulled
+
+
+def test_a_tensor_parallel_decode_instance_pulls_each_rank_its_heads(pair: Pair) -> None:
+    prompt = prompt_of(333, seed=7)
+    received = scrape(pair.client, pair.wide.url).get(RECEIVED, 0.0)
+    params = prefilled_params(pair, pair.prefill, prompt)
+    assert decode_with(pair, prompt, params, pair.wide) == (200, pair.expected(prompt))
+    assert wait_for(lambda: scrape(pair.client, pair.wide.url).get(RECEIVED, 0.0)) == received + 2  # one per rank
 
 
 def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model-bench"))
     parser.add_argument("--json", type=Path, help="also write the cells here")
+    parser.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for every server")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     concurrencies = [int(n) for n in args.concurrency.split(",")]
@@ -82,11 +84,9 @@ def run_configuration(
     reference: list[Cell] | None,
 ) -> tuple[list[Cell], float]:  # fmt: skip
     hook_dir = Path(tempfile.mkdtemp(prefix="nixl_kv_hooks_"))
-    import os
-
     os.environ["NIXL_KV_HOOK_TIMES"] = str(hook_dir)
     max_len = max(lengths) + args.max_tokens + 64
-    with VllmServers(model, max_model_len=max_len, kv_cache_gib=2) as servers:
+    with VllmServers(model, max_model_len=max_len, kv_cache_gib=2, omp_bind=args.omp_bind) as servers:
         if configuration == "aggregated":
             entry = servers.start(Instance(), "aggregated")
             decode = None

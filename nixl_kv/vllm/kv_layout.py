@@ -2,8 +2,8 @@
 
 vLLM hands ``register_kv_caches`` one tensor per attention layer. Two physical forms are known:
 
-- the CPU backend's ``[blocks, kv heads, block size, 2 * head dim]``: per block and head, K's tokens then V's
-  (``LayoutKind.PER_LAYER_HKND``, one pool per layer);
+- the CPU backend's ``[blocks, kv heads, block size, 2 * head dim]``: per block and head, K dim-major then V
+  token-major (its "vec" kernels; ``LayoutKind.PER_LAYER_HKND``, one pool per layer);
 - the GPU backends' ``[2, blocks, block size, kv heads, head dim]`` (K and V halves), laid out NHD or, by stride
   order, HND (``PER_LAYER_NHD`` / ``PER_LAYER_HND``, one pool per layer and K/V).
 
@@ -56,6 +56,7 @@ def describe(tensors: list[torch.Tensor], shape: AttentionShape) -> tuple[KVLayo
         raise NotSupportedError("every attention layer's KV cache must have the same shape, dtype and device")
     H, D, T = shape.num_heads, shape.head_dim, shape.block_size
     if first.dim() == 4 and tuple(first.shape[1:]) == (H, T, 2 * D) and first.is_contiguous():
+        _check_cpu_kernels(first.dtype, T, D)
         kind, halves = LayoutKind.PER_LAYER_HKND, [[t] for t in tensors]
     elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[2:]) == (T, H, D):
         kind = _kv_half_kind(first[0])
@@ -80,6 +81,16 @@ def describe(tensors: list[torch.Tensor], shape: AttentionShape) -> tuple[KVLayo
     if problems:
         raise NotSupportedError(f"vLLM's KV cache does not describe as a layout: {'; '.join(problems)}")
     return layout, dtype
+
+
+def _check_cpu_kernels(dtype: torch.dtype, block_size: int, head_dim: int) -> None:
+    """HKND is the block interior of vLLM's "vec" CPU kernels (K dim-major, V token-major); the others (AMX, NEON,
+    vec16, ...) order a block differently, and moving their bytes as HKND would be silently wrong."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    if isa != "vec":
+        raise NotSupportedError(f"vLLM's CPU attention uses its {isa!r} kernels here: only 'vec' blocks are described")
 
 
 def _kv_half_kind(half: torch.Tensor) -> LayoutKind:

@@ -88,6 +88,7 @@ class VllmServers:
     python: str = sys.executable  # a Python with vLLM and nixl_kv installed (scripts/vllm_env.sh makes one)
     max_model_len: int = 4096
     kv_cache_gib: int = 1
+    omp_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU lists such as "0"
     servers: list[Server] = field(default_factory=list)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="nixl_kv_vllm_")))
 
@@ -105,7 +106,7 @@ class VllmServers:
             command += ["--kv-transfer-config", json.dumps(config)]
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind,
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
