@@ -39,7 +39,7 @@ class Pair:
     decode: Server
     aggregated: Server
     router: Server
-    victim: Server  # a second prefill instance, for the test that kills one
+    victim: Server  # a second prefill instance, of 64-token blocks (the decode's are 32), for the test that kills one
     wide: Server  # a decode instance of tensor-parallel size 2 (kv_both)
     client: httpx.Client
 
@@ -60,7 +60,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
         prefill = servers.start(Instance("kv_producer"), "prefill")
-        victim = servers.start(Instance("kv_producer"), "victim")
+        victim = servers.start(Instance("kv_producer", block_size=64), "victim")
         decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
         wide = servers.start(Instance("kv_both", extra_args=("--tensor-parallel-size", "2")), "decode-tp2")
         aggregated = servers.start(Instance(), "aggregated")
@@ -153,6 +153,14 @@ def test_a_tensor_parallel_decode_instance_pulls_each_rank_its_heads(pair: Pair)
     params = prefilled_params(pair, pair.prefill, prompt)
     assert decode_with(pair, prompt, params, pair.wide) == (200, pair.expected(prompt))
     assert wait_for(lambda: scrape(pair.client, pair.wide.url).get(RECEIVED, 0.0)) == received + 2  # one per rank
+
+
+def test_a_prefill_of_larger_blocks_than_the_decode_which_nixlconnector_refuses(pair: Pair) -> None:
+    for length in (33, 300):
+        prompt = prompt_of(length, seed=8)
+        before = pair.counter(RECEIVED)
+        assert decode_with(pair, prompt, prefilled_params(pair, pair.victim, prompt)) == (200, pair.expected(prompt))
+        assert wait_for(lambda: pair.counter(RECEIVED)) == before + 1
 
 
 def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
