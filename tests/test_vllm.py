@@ -62,7 +62,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         prefill = servers.start(Instance("kv_producer"), "prefill")
         victim = servers.start(Instance("kv_producer", block_size=64), "victim")
         decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
-        wide = servers.start(Instance("kv_both", extra_args=("--tensor-parallel-size", "2")), "decode-tp2")
+        wide = servers.start(Instance("kv_both", tp=2), "decode-tp2")
         aggregated = servers.start(Instance(), "aggregated")
         router = servers.start_router([prefill], [decode])
         servers.wait()

@@ -3,9 +3,10 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` in its own process group (the API server, its
 engine core and its worker go together on ``stop``), on a free port, logging to a file. vLLM's CPU build on a small
 machine needs three settings, made here unless the caller set them: a KV cache size (``VLLM_CPU_KVCACHE_SPACE``,
-GiB), no OMP thread binding (``VLLM_CPU_OMP_THREADS_BIND=nobind``: with a connector loaded vLLM reserves cores and
-pins the worker to what is left, one core of two here, and decodes at a tenth of the speed), and vLLM's own
-NixlConnector's side-channel port, one per instance.
+GiB), an OMP binding of its own (``VLLM_CPU_OMP_THREADS_BIND``, CPU 0 per rank: by default, with a connector
+loaded, vLLM reserves cores and pins its worker to what is left and decodes at a tenth of the speed, and unbound
+OMP threads of two engines spin against each other on two cores), and vLLM's own NixlConnector's side-channel
+port, one per instance.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Instance:
     role: str | None = None  # kv_producer, kv_consumer, kv_both
     connector: str = "nixl_kv"
     block_size: int = 32
+    tp: int = 1
     extra_config: tuple[tuple[str, object], ...] = ()
     extra_args: tuple[str, ...] = ()
 
@@ -88,7 +90,7 @@ class VllmServers:
     python: str = sys.executable  # a Python with vLLM and nixl_kv installed (scripts/vllm_env.sh makes one)
     max_model_len: int = 4096
     kv_cache_gib: int = 1
-    omp_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU lists such as "0"
+    omp_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each rank: a CPU list ("0"), "nobind" or "auto"
     servers: list[Server] = field(default_factory=list)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="nixl_kv_vllm_")))
 
@@ -99,14 +101,15 @@ class VllmServers:
             self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--port", str(port), "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager",
             "--dtype", "float32", "--block-size", str(instance.block_size),
-            "--max-model-len", str(self.max_model_len), *instance.extra_args,
+            "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(instance.tp),
+            *instance.extra_args,
         ]  # fmt: skip
         config = instance.kv_transfer_config()
         if config is not None:
             command += ["--kv-transfer-config", json.dumps(config)]
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind,
+            "VLLM_CPU_OMP_THREADS_BIND": self._binding(instance.tp),
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
@@ -129,6 +132,10 @@ class VllmServers:
         server = Server(name, f"http://127.0.0.1:{port}", process, log)
         self.servers.append(server)
         return server
+
+    def _binding(self, tp: int) -> str:
+        """``omp_bind`` for each of ``tp`` ranks (vLLM wants one CPU list per rank, ``|``-separated)."""
+        return self.omp_bind if self.omp_bind in ("nobind", "auto") else "|".join([self.omp_bind] * tp)
 
     def wait(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every started server answers /health (vLLM's engine start: 30-100 s on 2 cores)."""

@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model_dir)
     with VllmServers(model) as servers:
         prefill = servers.start(
-            Instance("kv_producer", args.connector, args.prefill_block_size, extra_args=tp_args(args.prefill_tp)),
+            Instance("kv_producer", args.connector, args.prefill_block_size, args.prefill_tp),
             "prefill",
         )
         decode = servers.start(
-            Instance("kv_consumer", args.connector, args.decode_block_size, extra_args=tp_args(args.decode_tp)),
+            Instance("kv_consumer", args.connector, args.decode_block_size, args.decode_tp),
             "decode",
         )
         aggregated = servers.start(Instance(), "aggregated")
@@ -74,10 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{identical} of {len(rows)} outputs identical to aggregated vLLM; the decode instance received KV "
           f"{transfers:.0f} times")  # fmt: skip
     return 0 if identical == len(rows) and transfers >= sum(n > 1 for n in lengths) else 1
-
-
-def tp_args(tp: int) -> tuple[str, ...]:
-    return () if tp == 1 else ("--tensor-parallel-size", str(tp))
 
 
 if __name__ == "__main__":
