@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model-bench"))
     parser.add_argument("--json", type=Path, help="also write the cells here")
-    parser.add_argument("--omp-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for every server")
+    parser.add_argument(
+        "--omp-bind", default="each", help="VLLM_CPU_OMP_THREADS_BIND: each (a CPU per server, in turn) or vLLM's own"
+    )
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     concurrencies = [int(n) for n in args.concurrency.split(",")]

@@ -3,10 +3,10 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` in its own process group (the API server, its
 engine core and its worker go together on ``stop``), on a free port, logging to a file. vLLM's CPU build on a small
 machine needs three settings, made here unless the caller set them: a KV cache size (``VLLM_CPU_KVCACHE_SPACE``,
-GiB), an OMP binding of its own (``VLLM_CPU_OMP_THREADS_BIND``, CPU 0 per rank: by default, with a connector
-loaded, vLLM reserves cores and pins its worker to what is left and decodes at a tenth of the speed, and unbound
-OMP threads of two engines spin against each other on two cores), and vLLM's own NixlConnector's side-channel
-port, one per instance.
+GiB), a core of its own for each rank's OMP threads (``VLLM_CPU_OMP_THREADS_BIND``, the machine's CPUs in turn:
+by default, with a connector loaded, vLLM reserves cores and pins its worker to what is left and decodes at a
+tenth of the speed; unbound, two engines' OMP threads spin against each other; both on CPU 0, a worker's compute
+starves the other's transfer threads), and vLLM's own NixlConnector's side-channel port, one per instance.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ class VllmServers:
     python: str = sys.executable  # a Python with vLLM and nixl_kv installed (scripts/vllm_env.sh makes one)
     max_model_len: int = 4096
     kv_cache_gib: int = 1
-    omp_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each rank: a CPU list ("0"), "nobind" or "auto"
+    omp_bind: str = "each"  # VLLM_CPU_OMP_THREADS_BIND: "each" (a CPU per rank, in turn), "nobind", "auto", a list
     servers: list[Server] = field(default_factory=list)
+    _next_cpu: int = 0
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="nixl_kv_vllm_")))
 
     def start(self, instance: Instance, name: str) -> Server:
@@ -134,8 +135,14 @@ class VllmServers:
         return server
 
     def _binding(self, tp: int) -> str:
-        """``omp_bind`` for each of ``tp`` ranks (vLLM wants one CPU list per rank, ``|``-separated)."""
-        return self.omp_bind if self.omp_bind in ("nobind", "auto") else "|".join([self.omp_bind] * tp)
+        """``omp_bind`` for ``tp`` ranks (vLLM wants one CPU list per rank, ``|``-separated); "each" gives every rank
+        the next CPU of the machine in turn."""
+        if self.omp_bind != "each":
+            return self.omp_bind
+        cpus = sorted(os.sched_getaffinity(0))
+        ranks = [str(cpus[(self._next_cpu + i) % len(cpus)]) for i in range(tp)]
+        self._next_cpu += tp
+        return "|".join(ranks)
 
     def wait(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every started server answers /health (vLLM's engine start: 30-100 s on 2 cores)."""

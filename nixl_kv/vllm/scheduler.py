@@ -63,8 +63,8 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return
-        if params.get("do_remote_decode"):
-            self._prefills[request.request_id] = _Prefill(request)
+        if params.get("do_remote_decode"):  # again after a preemption: a response already made stands
+            self._prefills.setdefault(request.request_id, _Prefill(request))
             return
         if not params.get("do_remote_prefill") or PARAMS_KEY not in params:
             return
