@@ -42,7 +42,12 @@ Why it is built this way (``mooncake.engine`` of mooncake-transfer-engine 0.3.13
   an NVLink one for VRAM-to-VRAM READs, whose notification follows its last piece as a zero-length READ on the TCP
   engine (so notifications keep one order, and one queue to poll). Its metadata names both sessions.
 
-``forget_remote`` only drops the name: the binding cannot close the engine's cached segment of that peer.
+``forget_remote`` only drops the name: the binding cannot close the engine's cached segment of that peer. So
+``close_peer`` cannot end READs in flight either (it only forgets the peer; their status stays true): the binding has
+no call that cancels a batch or closes one peer's connections. A READ from a dead peer fails at once (connection
+refused); one from a stopped peer runs until ``MC_TRANSFER_TIMEOUT`` (at least 5 s) and one whose first contact is a
+host that vanished waits for the engine's handshake (measured over 30 s), its destination poisoned meanwhile, and
+holding one of the ``max_inflight`` pool workers, so READs from live peers queue behind it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ Why it is built this way (mpi4py 4.1 over MPICH 5.0, ch4:ucx, as the ``mpich`` w
   ``MPI_Win_unlock`` on it hangs). A READ therefore ends FAILED once its deadline passed
   (``NIXL_KV_MPI_READ_TIMEOUT_S``, default 20 s, plus 1 ns per byte). An Rget cannot be cancelled:
   ``release_transfer`` of one still outstanding returns False (its destination must stay poisoned), and ``close``
-  hands such requests to the process, which keeps them until exit. What MPI cannot recover: the outstanding Rget
+  hands such requests to the process, which keeps them until exit. ``close_peer`` cannot end one either (it only
+  forgets the peer): MPI has no per-peer connection to close, every rank shares the one window. What MPI
+  cannot recover: the outstanding Rget
   (its destination stays poisoned), the world (it cannot be shrunk; whether the window still serves the living ranks
   is MPICH's business, not tested here), and the job: mpiexec (hydra) ends the whole job when one rank dies, and
   with ``-disable-auto-cleanup`` it still killed the survivor in 4 of 6 runs here. A process whose peer died waits

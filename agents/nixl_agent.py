@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from nixl_kv.agents.ucx_config import bound_tcp_failures
 from nixl_kv.errors import AgentError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
@@ -65,6 +66,7 @@ class NixlAgent(TransferAgent):
         progress loop already polls the agent while transfers are pending, and a second spinning thread per
         agent halved throughput on a 2-core machine."""
         skip_ucx_ib_without_rdma_devices()  # before UCX starts
+        bound_tcp_failures()
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name
@@ -75,8 +77,8 @@ class NixlAgent(TransferAgent):
         )
         self._agent = nixl_agent(name, config)
         self._registrations: list[Any] = []
-        self._prepared: list[Any] = []
-        self._transfers: set[Any] = set()
+        self._prepared: dict[int, tuple[Any, str | None]] = {}  # by id: the list and the peer it describes
+        self._transfers: dict[Any, str] = {}  # not yet released -> the peer it reads from
         self._remotes: set[str] = set()
         self._closed = False
 
@@ -114,6 +116,22 @@ class NixlAgent(TransferAgent):
             self._remotes.discard(name)
             self._call("remove remote agent", self._agent.remove_remote_agent, name)
 
+    def close_peer(self, name: str) -> bool:
+        """NIXL can only remove the remote agent, and that closes its UCX endpoints gracefully: READs in flight then
+        read FAILED, yet a peer that answers later still writes their bytes (measured: a stopped peer resumed after
+        the removal, and the READ's destination filled). So while a READ from the peer is in flight nothing is done
+        (False): the transport ends it itself when the peer's host is gone (``ucx_config``: about a second), or the
+        peer answers it. With none in flight, its lists are released and the remote agent removed (True)."""
+        if any(self.status(transfer) is TransferStatus.IN_PROGRESS for transfer in self._from(name)):
+            return False
+        for prepared in [prepared for prepared, owner in list(self._prepared.values()) if owner == name]:
+            self.release_prepared(prepared)
+        self.forget_remote(name)
+        return True
+
+    def _from(self, name: str) -> list[Any]:
+        return [transfer for transfer, peer in list(self._transfers.items()) if peer == name]
+
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         rows = np.ascontiguousarray(descriptors, dtype=np.uint64)
         prepared = self._call(
@@ -123,12 +141,11 @@ class NixlAgent(TransferAgent):
             rows,
             memory.value,
         )
-        self._prepared.append(prepared)
+        self._prepared[id(prepared)] = (prepared, owner)
         return prepared
 
     def release_prepared(self, prepared: Any) -> None:
-        if prepared in self._prepared:
-            self._prepared.remove(prepared)
+        if self._prepared.pop(id(prepared), None) is not None:
             prepared.release()
 
     def read(
@@ -149,10 +166,10 @@ class NixlAgent(TransferAgent):
             np.ascontiguousarray(remote_indices, dtype=np.int32),
             notification,
         )
-        return self._post(transfer)
+        return self._post(transfer, self._prepared.get(id(remote), (None, ""))[1] or "")
 
-    def _post(self, transfer: Any) -> Any:
-        self._transfers.add(transfer)
+    def _post(self, transfer: Any, peer: str) -> Any:
+        self._transfers[transfer] = peer
         try:
             state = self._call("post READ", self._agent.transfer, transfer)
         except AgentError:
@@ -179,7 +196,7 @@ class NixlAgent(TransferAgent):
         transfer = self._call(
             f"create READ from {peer}", self._agent.initialize_xfer, "READ", local, remote, peer, notification
         )
-        return self._post(transfer)
+        return self._post(transfer, peer)
 
     def status(self, transfer: Any) -> TransferStatus:
         try:
@@ -194,7 +211,7 @@ class NixlAgent(TransferAgent):
         except Exception as exc:
             log.warning("NIXL could not release (cancel) a transfer: %s", exc)
             return False
-        self._transfers.discard(transfer)
+        self._transfers.pop(transfer, None)
         return True
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -219,7 +236,7 @@ class NixlAgent(TransferAgent):
         self._closed = True
         for transfer in list(self._transfers):
             self.release_transfer(transfer)
-        for prepared in list(self._prepared):
+        for prepared, _ in list(self._prepared.values()):
             self.release_prepared(prepared)
         for name in list(self._remotes):
             try:

@@ -5,7 +5,9 @@ Why it is built this way (libucp of the PyPI wheel ``libucx-cu12``, 1.21/1.22, t
 - One UCP context and worker per agent. ``register`` maps each region (``ucp_mem_map``) and packs its remote key;
   ``metadata()`` is msgpack of the agent name, the worker address and every region's (base, length, packed rkey):
   a few hundred bytes per region plus the address, carried inline in the CommState.
-- ``load_remote`` creates an endpoint to the peer's worker address and unpacks its rkeys. Remote rows are checked
+- ``load_remote`` creates an endpoint to the peer's worker address (connecting without blocking, TCP timeouts
+  bounded: ``ucx_config``; this libucp still took 9.7 s to fail a READ from a host that vanished, so the agent's own
+  deadline and ``close_peer`` are what end it sooner) and unpacks its rkeys. Remote rows are checked
   against the peer's advertised regions when prepared (a GET outside them would read whatever the peer's process
   holds there: the software RMA over TCP does not check bounds), local rows against this agent's registrations.
 - A READ posts one GET per run: entries that continue each other on both sides, inside one remote region, merge.
@@ -23,9 +25,10 @@ Why it is built this way (libucp of the PyPI wheel ``libucx-cu12``, 1.21/1.22, t
 - UCX cannot cancel one GET: ``release_transfer`` of a READ still running returns False and keeps it. What stops
   GETs is force-closing their endpoint (they end CANCELED, and nothing lands after): done to a peer whose READ
   outlived its deadline (``timeout_s``: a stopped peer keeps its TCP connection up, so UCX alone would wait
-  forever; a dead one fails at once) and, at ``close``, to peers still read after ``_CLOSE_S``. A peer's rkeys and
-  endpoint are released only when none of its transfers is left running: ``forget_remote`` never pulls a key from
-  under a GET.
+  forever; a dead one fails at once), to a peer the caller closes (``close_peer``: the receiver does it once every
+  READ from that peer is past its request's deadline, long before ``timeout_s``) and, at ``close``, to peers still
+  read after ``_CLOSE_S``. A peer's rkeys and endpoint are released only when none of its transfers is left running:
+  ``forget_remote`` never pulls a key from under a GET.
 - DRAM only: VRAM raises NotSupportedError (UCX's CUDA transports would need the memory type and a CUDA context).
 """
 
@@ -47,6 +50,7 @@ import numpy as np
 
 from nixl_kv.agents import descriptors as entries
 from nixl_kv.agents import ucp_binding as ucp
+from nixl_kv.agents.ucx_config import bound_tcp_failures
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -194,6 +198,7 @@ class UcxAgent(TransferAgent):
         ``timeout_s``: a READ still running after it fails, and its peer's endpoint is force-closed (default
         ``NIXL_KV_UCX_TIMEOUT_S``, else 30): a peer that stopped (SIGSTOP, a hung host) keeps its TCP connection
         up, and UCX would wait for it forever."""
+        bound_tcp_failures()  # before UCX reads its configuration
         try:
             self._context = ucp.Context()
         except ImportError as exc:
@@ -260,6 +265,14 @@ class UcxAgent(TransferAgent):
         with self._lock:
             if (peer := self._peers.pop(name, None)) is not None:
                 self._retire(peer)
+
+    def close_peer(self, name: str) -> bool:
+        """Force-close the peer's endpoint (its GETs end CANCELED at the next progress), then retire it."""
+        with self._lock:
+            if (peer := self._peers.pop(name, None)) is not None:
+                self._abort(peer, "the caller closed it")
+                self._retire(peer)
+        return True
 
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         what = f"UCX could not prepare descriptors of {owner or 'local memory'}"

@@ -54,6 +54,17 @@ class TransferAgent(ABC):
     @abstractmethod
     def forget_remote(self, name: str) -> None: ...
 
+    def close_peer(self, name: str) -> bool:
+        """Close the peer and forget it (``load_remote`` makes it reachable again; lists prepared for it are not
+        usable after): for a peer whose READs outlived their requests (it died or hangs), and one whose connection
+        broke. READs from it still in flight end FAILED, and nothing of them lands afterwards, where the agent can
+        end them; where it cannot, they go on and their status stays true. Returns False, changing nothing, when
+        forgetting the peer now would make the status of its READs in flight lie (NIXL): close it again once they
+        ended. This default forgets the peer (for agents whose READs report truly without it; they say why they
+        cannot end them)."""
+        self.forget_remote(name)
+        return True
+
     @abstractmethod
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         """Prepare a descriptor list: Nx3 (address, length, device) or strided Nx5 (.., stride, count) rows.
