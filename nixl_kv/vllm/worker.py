@@ -3,9 +3,9 @@
 ctx: after the forward that completes a prompt (``wait_for_save``) the request is responded to, so its blocks are
 pinned before the scheduler hands its params out; ``finished`` reports it sent once its readers are done (or its
 lease ended) and the scheduler said the params left the engine.
-gen: ``start_load_kv`` starts each pull into the request's freshly allocated blocks; ``finished`` reports it
-received once the transfer ended and no READ can still land, failed ones also as load errors, so vLLM recomputes
-them and never decodes from blocks that were not received.
+gen: ``start_load_kv`` hands each pull into the request's freshly allocated blocks to the puller (its own thread,
+``nixl_kv.vllm.puller``); ``finished`` reports it received once the transfer ended and no READ can still land,
+failed ones also as load errors, so vLLM recomputes them and never decodes from blocks that were not received.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import torch
 from nixl_kv.comm import SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.params import ParamsMaker
-from nixl_kv.requests import RequestState, TransferRequest
+from nixl_kv.requests import TransferRequest
 from nixl_kv.transceiver import CacheTransceiver
 from nixl_kv.vllm.blocks import VllmBlocks
 from nixl_kv.vllm.comm import TensorParallelComm
 from nixl_kv.vllm.kv_layout import AttentionShape, cache_state, describe, ordered_layers
-from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
+from nixl_kv.vllm.metadata import Respond, StepMetadata
+from nixl_kv.vllm.puller import Puller
 from nixl_kv.vllm.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,6 @@ class StepResults:
     failed: set[str] = field(default_factory=set)
 
 
-@dataclass
-class _Receiving:
-    receive: Receive
-    request: TransferRequest
-    ended: bool = False
-
-
 class WorkerSide:
     def __init__(self, shape: AttentionShape, total_kv_heads: int, tp: int, config: CacheTransceiverConfig) -> None:
         self._shape, self._total_kv_heads, self._tp, self._config = shape, total_kv_heads, tp, config
@@ -54,8 +48,7 @@ class WorkerSide:
         self._sent: set[str] = set()  # ctx: transfers ended, waiting for the scheduler's hand-out
         self._handed_out: set[str] = set()  # ctx: params left the engine, transfer not ended yet
         self._withdrawn: set[str] = set()  # ctx: finished without params, transfer cancelled, not ended yet
-        self._receiving: dict[int, _Receiving] = {}  # gen: our id -> pull
-        self._by_vllm_id: dict[str, int] = {}  # gen: vLLM's id -> our id
+        self._puller: Puller | None = None  # gen
         self._load_errors: set[int] = set()
         self.stats = TransferStats()
 
@@ -65,6 +58,7 @@ class WorkerSide:
         state = cache_state(self._total_kv_heads, layout, dtype, self._tp)
         comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
         self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
+        self._puller = Puller(self.transceiver, self._blocks, threaded=self._tp == 1)
         log.info("nixl_kv: %d layers of %s pools registered (%s)", layout.num_layers, layout.kind.value, dtype.value)
         return self.transceiver.params_maker()
 
@@ -76,11 +70,9 @@ class WorkerSide:
         for vllm_id in metadata.withdrawn:
             self._withdraw(vllm_id)
         for vllm_id in metadata.cancel:
-            ours = self._by_vllm_id.get(vllm_id)
-            if ours is not None:
-                self.transceiver.cancel_request(self._receiving[ours].request)
+            self._puller.cancel(vllm_id)
         for receive in metadata.receive:
-            self._pull(receive)
+            self._puller.submit(receive)
 
     def save(self, metadata: StepMetadata) -> None:
         """ctx: the forward is over, the prompts it completed are in the pools: respond to them."""
@@ -116,8 +108,15 @@ class WorkerSide:
         results.sent = self._sent & self._handed_out
         self._sent -= results.sent
         self._handed_out -= results.sent
-        if self._receiving or collective:
-            self._collect_received(results)
+        for pulled in self._puller.take():
+            results.received.add(pulled.vllm_id)
+            if pulled.ok:
+                self.stats.record(pulled.seconds, pulled.nbytes)
+                continue
+            log.warning("nixl_kv: request %s failed, vLLM recomputes it: %s", pulled.vllm_id, pulled.error)
+            self.stats.record_failure()
+            results.failed.add(pulled.vllm_id)
+            self._load_errors.update(pulled.moved_blocks)
         return results
 
     def load_errors(self) -> set[int]:
@@ -125,45 +124,10 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
         if self.transceiver is not None:
             self.transceiver.close()
-
-    # --- gen ---------------------------------------------------------------------------------------------------
-    def _pull(self, receive: Receive) -> None:
-        self._blocks.register(receive.request_id, receive.block_ids)
-        request = TransferRequest(
-            receive.request_id, context_phase_params=receive.params, reused_blocks=receive.reused_blocks
-        )
-        self._receiving[receive.request_id] = _Receiving(receive, request)
-        self._by_vllm_id[receive.vllm_id] = receive.request_id
-        try:
-            self.transceiver.request_and_receive_async(request)
-        except Exception as exc:  # refused before any READ (undecodable params, incompatible pair)
-            log.warning("nixl_kv: request %s refused: %s: %s", receive.vllm_id, type(exc).__name__, exc)
-            request.fail(f"{type(exc).__name__}: {exc}")
-            self._receiving[receive.request_id].ended = True
-
-    def _collect_received(self, results: StepResults) -> None:
-        statuses = self.transceiver.check_gen_transfer_status(0)
-        for ours in statuses.completed_request_ids | statuses.error_request_ids:
-            if ours in self._receiving:
-                self._receiving[ours].ended = True
-        for ours, pull in list(self._receiving.items()):
-            if not pull.ended or self._blocks.pinned(ours):  # a READ that may still land keeps the blocks
-                continue
-            del self._receiving[ours]
-            del self._by_vllm_id[pull.receive.vllm_id]
-            self._blocks.forget(ours)
-            results.received.add(pull.receive.vllm_id)
-            request = pull.request
-            if request.state is RequestState.GENERATION_TRANS_COMPLETE:
-                self.stats.record(request.transfer_end - request.transfer_start, request.transfer_bytes)
-                continue
-            log.warning("nixl_kv: request %s failed, vLLM recomputes it: %s", pull.receive.vllm_id, request.error)
-            self.stats.record_failure()
-            results.failed.add(pull.receive.vllm_id)
-            moved = pull.receive.block_ids[pull.receive.reused_blocks :]
-            self._load_errors.update(moved)
 
     # --- ctx ---------------------------------------------------------------------------------------------------
     def _withdraw(self, vllm_id: str) -> None:
