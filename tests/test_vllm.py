@@ -59,9 +59,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model = make_model(tmp_path_factory.mktemp("vllm") / "model", python=PYTHON)
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
-        prefill = servers.start(Instance("kv_producer"), "prefill")
+        prefill = servers.start(Instance("kv_producer"), "prefill")  # CPU 0 (each server's ranks take CPUs in turn)
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")  # CPU 1
         victim = servers.start(Instance("kv_producer", block_size=64), "victim")
-        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
         wide = servers.start(Instance("kv_both", tp=2), "decode-tp2")
         aggregated = servers.start(Instance(), "aggregated")
         router = servers.start_router([prefill], [decode])

@@ -10,7 +10,10 @@ failed ones also as load errors, so vLLM recomputes them and never decodes from 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +42,23 @@ class StepResults:
     failed: set[str] = field(default_factory=set)
 
 
+@contextlib.contextmanager
+def every_cpu() -> Iterator[None]:
+    """Let the calling thread, and the threads it starts meanwhile, run on every CPU of the machine. vLLM binds its
+    worker (and so every thread it starts) to its OMP threads' CPU: a transfer thread there waits behind the
+    forward, and its spinning OMP threads (a 256-token pull took 609 ms, first contacts passed their deadline)."""
+    bound = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cpuset narrower than the machine: stay as we are
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, bound)
+
+
 class WorkerSide:
     def __init__(self, shape: AttentionShape, total_kv_heads: int, tp: int, config: CacheTransceiverConfig) -> None:
         self._shape, self._total_kv_heads, self._tp, self._config = shape, total_kv_heads, tp, config
@@ -57,8 +77,9 @@ class WorkerSide:
         self._blocks = VllmBlocks(layout)
         state = cache_state(self._total_kv_heads, layout, dtype, self._tp)
         comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
-        self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
-        self._puller = Puller(self.transceiver, self._blocks, threaded=self._tp == 1)
+        with every_cpu():  # the threads started here (progress loop, agent, puller) inherit it
+            self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
+            self._puller = Puller(self.transceiver, self._blocks, threaded=self._tp == 1)
         log.info("nixl_kv: %d layers of %s pools registered (%s)", layout.num_layers, layout.kind.value, dtype.value)
         return self.transceiver.params_maker()
 
