@@ -329,7 +329,9 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
 # Third-party modules imported only where optional: cupy for VRAM pools (the gpu-cu12/gpu-cu13 extras), torch for
 # the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch), mooncake for its agent (the
 # mooncake extra), libucx for the UCX agent where the mpich wheel is absent (the ucx extra).
-OPTIONAL = {"cupy", "torch", "mooncake", "libucx"}
+# vllm: nixl_kv.vllm runs inside vLLM, whose CPU build pins what ours does differently (numpy, torch): no extra can
+# hold both, so scripts/vllm_env.sh installs it in a venv of its own
+OPTIONAL = {"cupy", "torch", "mooncake", "libucx", "vllm"}
 REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
 
 
