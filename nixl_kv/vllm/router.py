@@ -24,10 +24,11 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from nixl_kv.serving.router import Backends, Unreachable, _detail, _first_reachable, _passed_on
+from nixl_kv.serving.router import Backends, Unreachable, _call, _detail, _first_reachable, _passed_on
 
 MAX_BODY_BYTES = 4 << 20
 DONE = "data: [DONE]"
+PATH = "/v1/completions"
 
 
 class CompletionFields(BaseModel):
@@ -54,14 +55,18 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         fields = _fields(body)
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         first.pop("stream_options", None)
-        prefilled, prefill_url = await _first_reachable(prefill, "prefill", lambda url: _post(client, url, first))
+        prefilled, prefill_url = await _first_reachable(
+            prefill, "prefill", lambda url: _call(client, url, PATH, first, "prefill")
+        )
         prefill.done(prefill_url)
         params = prefilled.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise HTTPException(502, f"prefill server {prefill_url} returned no kv_transfer_params (no KV connector?)")
         second = {**body, "kv_transfer_params": params}
         if not fields.stream:
-            answer, decode_url = await _first_reachable(decode, "decode", lambda url: _post(client, url, second))
+            answer, decode_url = await _first_reachable(
+                decode, "decode", lambda url: _call(client, url, PATH, second, "decode")
+            )
             decode.done(decode_url)
             return JSONResponse(answer)
         lines, decode_url = await _first_reachable(decode, "decode", lambda url: _open_stream(client, url, second))
@@ -101,22 +106,10 @@ def _fields(body: dict) -> CompletionFields:
         raise HTTPException(422, f"{where}: {first['msg']}") from None
 
 
-async def _post(client: httpx.AsyncClient, base: str, payload: dict) -> dict:
-    try:
-        response = await client.post(base + "/v1/completions", json=payload)
-    except httpx.ConnectError as exc:
-        raise Unreachable(502, f"{base} cannot be reached: {exc}") from None
-    except httpx.HTTPError as exc:
-        raise HTTPException(502, f"{base} failed: {type(exc).__name__}: {exc}") from None
-    if response.status_code >= 400:
-        raise HTTPException(_passed_on(response.status_code), f"{base}: {_detail(response)}")
-    return response.json()
-
-
 async def _open_stream(client: httpx.AsyncClient, base: str, payload: dict) -> AsyncIterator[str]:
     """The decode's event stream; its status is known before anything is passed on."""
     try:
-        response = await client.send(client.build_request("POST", base + "/v1/completions", json=payload), stream=True)
+        response = await client.send(client.build_request("POST", base + PATH, json=payload), stream=True)
     except httpx.ConnectError as exc:
         raise Unreachable(502, f"{base} cannot be reached: {exc}") from None
     except httpx.HTTPError as exc:
