@@ -1,7 +1,9 @@
 """The fast path of the gen side: a request whose every part is read directly, posted and finished on the thread
 that asked for it, and checked on the ctx rank's hold board instead of by a verdict round trip.
 
-Per ctx peer the pipeline is three steps, each one posted call and one status poll:
+A pull whose peer is not loaded yet (first contact, or a peer being closed) waits first (CONNECT) while the peer
+directory loads it on its own thread; then, per ctx peer, the pipeline is three steps, each one posted call and one
+status poll:
 
 1. READ: the request's KV (and state) from the ctx pools into ours, without a notification. Gathered reads
    (whole block-major ctx segments of a slice our layout cannot take directly) READ piece by piece into a
@@ -29,6 +31,7 @@ from nixl_kv.state import RankCommInfo
 
 
 class Step(str, Enum):
+    CONNECT = "waiting for the peer to be loaded"
     SLOT = "waiting for a staging slot"
     READ = "READ in flight"
     CHECK = "hold check in flight"
@@ -45,6 +48,7 @@ class DirectPull:
     token: int
     transfer_id: int
     step: Step = Step.READ
+    waiting_since: float = 0.0  # when it began to wait for its peer (CONNECT): a loading failure after it ends it
     handle: Any = None
     early: Any = None  # the board READ posted beside the KV READ (same-host peers); it lands in ``landing``
     landing: int | None = None  # the landing window of the hold check

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,28 +48,28 @@ from nixl_kv.holds import (
     unmask_promise,
 )
 from nixl_kv.interfaces import Formatter, PeerRead, RangeRead, ReadRequest, TransferStatus
-from nixl_kv.loop import ProgressLoop
+from nixl_kv.loop import IDLE_WAIT_S, ProgressLoop
 from nixl_kv.memory import on_device
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.params_seal import is_sealed
-from nixl_kv.peers import PEER_SWEEP_S, PeerDirectory
+from nixl_kv.peers import BOARD, PEER_SWEEP_S, PeerDirectory, kv_list
 from nixl_kv.plan_cache import PlanCache
+from nixl_kv.poll_queue import PollQueue
 from nixl_kv.pool_checks import kv_pool_problems
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadDone, ReadVerdict, StageClaim, StageGrant
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
+from nixl_kv.stuck import RequestKey, StuckRead, StuckReads
 from nixl_kv.topology import holds_request, position
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
 
-RequestKey = tuple[str, int]  # (ctx instance id, ctx request id)
 CLAIM_RETRY_S = 1e-3
 SLOW_CHECK_BYTES = 64 << 20  # READs at least this large are timed against SLOW_GBPS
 # below: a fallback path (DRAM, 128 MiB here: TCP 1.6-2.0 GB/s, shared memory 5.3-5.5; VRAM: cuda_ipc ~390)
 SLOW_GBPS = {"DRAM": 3.0, "VRAM": 20.0}
-STUCK_RETRY_S = 0.1
 MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
 LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only if their rows average this
 DIRECT_BATCH = 64  # direct pulls whose status one progress call checks (oldest first): a tick's cost is bounded
@@ -78,6 +79,15 @@ SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests 
 MAX_SPIN_S = 5e-3
 EARLY_CHECK_SECONDS = 10e-3  # READs expected (at SPIN_GBPS) to take longer check the board after they end
 EARLY_CHECK_QUEUE = 8  # nor do READs posted behind this many direct pulls in flight
+EXPIRE_BATCH = 16  # direct requests failed at their deadline per progress-loop tick
+# A pull whose peer got ready (first contact) this close to its deadline (or within this part of its budget, for short
+# ones) fails instead of starting its READ: the READ would outlive its request, its destination poisoned until the
+# transport ends it (NIXL: ~1 s, ``ucx_config``).
+MIN_READ_BUDGET_S = 0.2
+MIN_READ_BUDGET_PART = 0.25
+
+
+_NOT_ENGAGED = (Step.CONNECT, Step.DONE)
 
 
 @dataclass
@@ -113,6 +123,7 @@ class _PeerPull:
     done: bool = False
     layerwise: bool = False
     watching: bool = False
+    started: bool = False  # something was posted to the peer (a READ, a claim, a watch, a notice)
     ready_below: int = 0
     planned_below: int = 0
 
@@ -148,18 +159,6 @@ class _ReleaseNotice:
     readers: int
     token: int
     secret: bytes
-
-
-@dataclass
-class _Stuck:
-    """A READ the agent could not cancel: its destination stays poisoned (blocks pinned, slot held back)."""
-
-    key: RequestKey
-    request_id: int
-    handle: Any
-    slot: StagingSlot | None
-    landing: int | None = None
-    retry_at: float = 0.0
 
 
 @dataclass
@@ -208,16 +207,16 @@ class CacheReceiver:
         self._by_transfer: dict[int, tuple[_Incoming, _PeerPull]] = {}
         self._transfer_ids = itertools.count(1)
         self._states: OrderedDict[bytes, tuple[DataTransceiverState, str]] = OrderedDict()  # state, its problem
-        self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents)
+        self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents, on_change=loop.wake)
         self._peers_swept_at = 0.0
-        self.poisoned: dict[RequestKey, str] = {}
-        self._stuck: list[_Stuck] = []
+        self._stuck = StuckReads(loop.agent, cache, staging, landing, self._peers, self._engaged_agents)
+        self.poisoned = self._stuck.poisoned
         self.slow_peers: dict[str, float] = {}  # peers whose large READs ran below SLOW_GBPS (warned once)
         self._warmed: set[str] = set()
         self._posts = 0
         self._stepped: dict[RequestKey, _Incoming] = {}  # requests the loop thread advances step by step
         self._direct_lock = threading.RLock()  # the direct pulls: the caller's thread or the loop thread
-        self._direct_queue: OrderedDict[tuple[RequestKey, int], tuple[_Incoming, DirectPull]] = OrderedDict()
+        self._direct_queue: PollQueue[tuple[RequestKey, int], tuple[_Incoming, DirectPull]] = PollQueue()
         self._direct_by_transfer: dict[int, tuple[_Incoming, DirectPull]] = {}
         self._direct_deadlines: list[tuple[float, RequestKey]] = []
         self._caller_polled_at = 0.0
@@ -267,10 +266,8 @@ class CacheReceiver:
             raise IncompatibleStateError(problem)
         self._formatter.inquire_support(self._self_state.cache, ctx_state.cache)
         for rank in ctx_state.comm.ranks:
-            for coarse in (False, True):
-                self._peers.descriptors(rank, coarse)
-            if rank.board is not None and board_slots(rank.board) == BOARD_SLOTS:  # the only size ever read
-                self._peers.board(rank)
+            boards = (BOARD,) if rank.board is not None and board_slots(rank.board) == BOARD_SLOTS else ()
+            self._peers.warm(rank, (kv_list(False), kv_list(True), *boards))  # (the only board size ever read)
 
     def cancel(self, request_id: int) -> bool:
         """Cancel a transfer that has not ended; False when there is none."""
@@ -372,15 +369,8 @@ class CacheReceiver:
             )
         )
 
-        def tell() -> None:
-            for rank in holders[:MAX_RELEASE_NOTICES]:  # loading an agent takes ~20 ms on the loop thread
-                try:
-                    self._peers.connect(rank)
-                    self._loop.agent.notify(rank.agent_name, message)
-                except Exception as exc:  # best effort: the ctx lease still ends the request
-                    log.info("could not tell %s that request %d failed: %s", rank.agent_name, params.request_id, exc)
-
-        self._loop.submit(tell)
+        for rank in holders[:MAX_RELEASE_NOTICES]:  # (best effort: the ctx lease still ends the request)
+            self._peers.when_loaded(rank, lambda name=rank.agent_name: self._loop.agent.notify(name, message))
 
     def _plan(
         self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
@@ -457,7 +447,7 @@ class CacheReceiver:
                 return
             try:
                 for pull in incoming.direct:
-                    self._post_direct(incoming, pull)
+                    self._post_when_ready(incoming, pull)
             except Exception as exc:  # noqa: BLE001 - any failure must end the request, here or in the loop
                 self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
                 return
@@ -465,6 +455,23 @@ class CacheReceiver:
                 self._end(incoming, None)
                 return
             heapq.heappush(self._direct_deadlines, (incoming.deadline, incoming.key))
+
+    def _post_when_ready(self, incoming: _Incoming, pull: DirectPull) -> None:
+        """Post now if the peer is ready (loaded, its lists prepared); else wait for it (CONNECT) while the peer
+        directory loads it off this thread: a peer that is slow to load must not hold up requests to live peers."""
+        if self._peers.ready(pull.rank, self._direct_lists(pull.read)):
+            self._post_direct(incoming, pull)
+            return
+        pull.step, pull.waiting_since = Step.CONNECT, time.monotonic()
+        self._queue_direct(incoming, pull)
+
+    @staticmethod
+    def _direct_lists(read: PeerRead) -> tuple[bytes, ...]:
+        """The peer's lists a direct pull uses: its KV list (a READ of pool units or segments), its board (the hold
+        check after any READ); a pull that only tells the peer it has no reader needs none."""
+        if not read.expected_readers:
+            return ()
+        return (kv_list(read.coarse), BOARD) if read.local_indices is not None else (BOARD,)
 
     def _post_direct(self, incoming: _Incoming, pull: DirectPull) -> None:
         """Step 1: the READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
@@ -482,10 +489,13 @@ class CacheReceiver:
             return
         if read.local_indices is not None:
             remote = self._peers.descriptors(pull.rank, read.coarse)
-            pull.handle = agent.read(self._local[read.coarse], read.local_indices, remote, read.remote_indices, b"")
+            local, indices = self._local[read.coarse], (read.local_indices, read.remote_indices)
+            pull.handle = self._to_peer(pull.rank, agent.read, local, indices[0], remote, indices[1], b"")
         else:
             self._peers.connect(pull.rank)
-            pull.handle = agent.read_ranges(
+            pull.handle = self._to_peer(
+                pull.rank,
+                agent.read_ranges,
                 pull.rank.agent_name,
                 read.state.local_rows,
                 self._cache.layout.pools[0].memory,
@@ -499,10 +509,16 @@ class CacheReceiver:
         )
         pull.timed_bytes = self._measurable(pull.rank.agent_name, pull.nbytes, long_runs and len(incoming.direct) == 1)
         pull.posted_at, pull.posts_before = time.monotonic(), self._posts
-        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+        self._queue_direct(incoming, pull, pull.nbytes)
+
+    def _queue_direct(self, incoming: _Incoming, pull: DirectPull, nbytes: int = 0) -> None:
+        """Poll the pull's step from now on, expected to move ``nbytes`` at the spin rate."""
+        expected_s = nbytes / (self._spin_gbps * 1e9)
+        self._direct_queue.put((incoming.key, pull.read.peer_rank), (incoming, pull), time.monotonic(), expected_s)
 
     def progress(self, from_caller: bool = True) -> int:
-        """Advance the oldest direct pulls (at most DIRECT_BATCH status checks); returns how many requests ended.
+        """Advance the direct pulls due (at most DIRECT_BATCH status checks, soonest due first: ``PollQueue``);
+        returns how many requests ended.
 
         Status checks call it, so a request completes on the caller's thread. The caller announces itself
         before it takes the lock, so the loop thread stops polling, and waits for the lock rather than spinning
@@ -516,20 +532,23 @@ class CacheReceiver:
             return 0
         ended = self._direct_ended
         try:
-            for unit, (incoming, pull) in list(itertools.islice(self._direct_queue.items(), DIRECT_BATCH)):
-                if incoming.future.done():
-                    self._direct_queue.pop(unit, None)
-                    continue
-                try:
-                    self._advance_direct(unit, incoming, pull)
-                except NixlKvError as exc:
-                    self._fail_direct(incoming, str(exc))
-                except Exception as exc:  # a bug or an out-of-memory must end the request, never leave it half done
-                    log.exception("request %s failed unexpectedly", incoming.key)
-                    self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
+            self._direct_queue.visit(time.monotonic(), DIRECT_BATCH, self._visit_direct, time.monotonic)
             return self._direct_ended - ended
         finally:
             self._direct_lock.release()
+
+    def _visit_direct(self, unit: tuple[RequestKey, int], item: tuple[_Incoming, DirectPull]) -> None:
+        incoming, pull = item
+        if incoming.future.done():
+            self._direct_queue.pop(unit)
+            return
+        try:
+            self._advance_direct(unit, incoming, pull)
+        except NixlKvError as exc:
+            self._fail_direct(incoming, str(exc))
+        except Exception as exc:  # a bug or an out-of-memory must end the request, never leave it half done
+            log.exception("request %s failed unexpectedly", incoming.key)
+            self._fail_direct(incoming, f"{type(exc).__name__}: {exc}")
 
     def spin_budget_s(self) -> float:
         """How long a waiting caller should poll before it sleeps: about the time the pending READs take (their
@@ -554,7 +573,7 @@ class CacheReceiver:
     def _post_piece(self, incoming: _Incoming, pull: DirectPull) -> None:
         """A gathered READ: the ctx segments of the next piece into our staging slot (one run per consecutive
         ctx blocks); without a free slot, wait for one (SLOT)."""
-        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+        self._queue_direct(incoming, pull)
         if pull.slot is None:
             try:  # no lease: the slot comes back (or stays poisoned with its READ) when the request ends
                 pull.slot = self._staging.acquire((incoming.key, pull.read.peer_rank), float("inf"), 1)
@@ -575,10 +594,18 @@ class CacheReceiver:
         local_at = slot.address + np.arange(len(theirs.block_ids), dtype=np.int64) * segment
         local_rows, remote_rows = coalesce(local_at, remote_at, np.full(len(local_at), segment), [slot], layout.pools)
         self._peers.connect(pull.rank)
-        pull.handle = self._loop.agent.read_ranges(
-            pull.rank.agent_name, local_rows, slot.memory, remote_rows, layout.pools[0].memory, b""
+        pull.handle = self._to_peer(
+            pull.rank,
+            self._loop.agent.read_ranges,
+            pull.rank.agent_name,
+            local_rows,
+            slot.memory,
+            remote_rows,
+            layout.pools[0].memory,
+            b"",
         )
         pull.step = Step.READ
+        self._queue_direct(incoming, pull, nbytes)
         pull.posted_at, pull.posts_before = time.monotonic(), self._posts
 
     def _unpack_piece(self, incoming: _Incoming, pull: DirectPull) -> None:
@@ -606,8 +633,11 @@ class CacheReceiver:
         return bool(self._clock_domain) and rank.clock_domain == self._clock_domain
 
     def _advance_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
+        if pull.step is Step.CONNECT:
+            self._connect_direct(unit, incoming, pull)
+            return
         if pull.step is Step.SLOT:
-            del self._direct_queue[unit]
+            self._direct_queue.pop(unit)
             self._post_piece(incoming, pull)
             return
         agent = self._loop.agent
@@ -616,6 +646,7 @@ class CacheReceiver:
             if status is TransferStatus.IN_PROGRESS:
                 return
             if status is TransferStatus.FAILED:
+                self._stuck.close_when_free({pull.rank.agent_name})  # (its connection may be broken)
                 raise TransferError(f"{pull.step.value.split()[0]} from {pull.rank.agent_name} failed")
             agent.release_transfer(pull.handle)
             pull.handle = None
@@ -623,7 +654,7 @@ class CacheReceiver:
             pull.promised = pull.read_seen_ns < pull.promised_until_ns
         if pull.early is not None and not self._early_check_ended(incoming, pull):
             return
-        del self._direct_queue[unit]
+        self._direct_queue.pop(unit)
         if pull.step is Step.READ and pull.read.gathered:
             self._unpack_piece(incoming, pull)
             pull.piece += 1
@@ -649,6 +680,21 @@ class CacheReceiver:
             self._direct_done(incoming, pull)
         else:
             self._await_verdict(incoming, pull)
+
+    def _connect_direct(self, unit: tuple[RequestKey, int], incoming: _Incoming, pull: DirectPull) -> None:
+        """Step 0: the peer directory loaded the peer (post now), failed to (end the request), or is still at it."""
+        if reason := self._peers.failure(pull.rank.agent_name, pull.waiting_since):
+            raise TransferError(reason)
+        if not self._peers.ready(pull.rank, self._direct_lists(pull.read)):
+            return
+        if self._too_late_to_start(incoming, time.monotonic()):
+            raise TransferError(f"{pull.rank.agent_name} was loaded too close to the deadline to start a READ")
+        self._direct_queue.pop(unit)
+        pull.step = Step.READ
+        self._post_direct(incoming, pull)
+        if all(p.step is Step.DONE for p in incoming.direct):  # (it only told the peer it has no reader)
+            self._direct_ended += 1
+            self._end(incoming, None)
 
     def _early_check_ended(self, incoming: _Incoming, pull: DirectPull) -> bool:
         """Once the board READ beside the KV READ is over: was the hold there, promised past the KV READ?"""
@@ -696,13 +742,14 @@ class CacheReceiver:
             return
         pull.handle = self._read_board(pull, notification)
         pull.step = Step.CHECK
-        self._direct_queue[(incoming.key, pull.read.peer_rank)] = (incoming, pull)
+        self._queue_direct(incoming, pull)
 
     def _read_board(self, pull: DirectPull, notification: bytes) -> Any:
         """READ the hold's board window of the peer into the pull's landing window."""
         landing = np.array([pull.landing], dtype=np.int32)
-        return self._loop.agent.read(
-            self._windows, landing, self._peers.board(pull.rank), pull.board_index, notification
+        board = self._peers.board(pull.rank)
+        return self._to_peer(
+            pull.rank, self._loop.agent.read, self._windows, landing, board, pull.board_index, notification
         )
 
     def _await_verdict(self, incoming: _Incoming, pull: DirectPull) -> None:
@@ -746,11 +793,16 @@ class CacheReceiver:
                 self._take_verdict(incoming, pull)
             return True
 
-    def _expire_direct(self, now: float) -> None:
+    def _expire_direct(self, now: float) -> bool:
+        """Fail the direct requests past their deadline, at most EXPIRE_BATCH per call: the direct lock is let go
+        between batches, so that hundreds due at once (a flood to dead peers) do not stall the live requests'
+        polling. Returns whether more are due."""
         if not self._direct_deadlines or self._direct_deadlines[0][0] > now:
-            return  # nothing due: no lock taken (a spinning caller holds it often)
+            return False  # nothing due: no lock taken (a spinning caller holds it often)
         with self._direct_lock:
-            while self._direct_deadlines and self._direct_deadlines[0][0] <= now:
+            for _ in range(EXPIRE_BATCH):
+                if not self._direct_deadlines or self._direct_deadlines[0][0] > now:
+                    return False
                 _, key = heapq.heappop(self._direct_deadlines)
                 with self._lock:
                     incoming = self._active.get(key)
@@ -759,6 +811,7 @@ class CacheReceiver:
                         f"{p.rank.agent_name} ({p.step.value})" for p in incoming.direct if p.step is not Step.DONE
                     ]
                     self._fail_direct(incoming, f"deadline passed waiting for {', '.join(waiting)}")
+            return bool(self._direct_deadlines) and self._direct_deadlines[0][0] <= now
 
     def _fail_direct(self, incoming: _Incoming, reason: str) -> None:
         """End a direct request in error: what may still land stays poisoned; ctx peers are told not to wait."""
@@ -766,7 +819,7 @@ class CacheReceiver:
             if incoming.future.done():
                 return
             for pull in incoming.direct:
-                self._direct_queue.pop((incoming.key, pull.read.peer_rank), None)
+                self._direct_queue.pop((incoming.key, pull.read.peer_rank))
                 self._direct_by_transfer.pop(pull.transfer_id, None)
                 peer = pull.rank.agent_name
                 landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
@@ -790,7 +843,8 @@ class CacheReceiver:
     ) -> None:
         """Let go of a READ that will not be waited for. UCX cannot cancel an RMA read in flight (releasing its
         handle is no cancel), so while the READ is still in progress its destination stays poisoned: the pool
-        blocks pinned, the staging slot or landing window held back, until its status leaves in progress."""
+        blocks pinned, the staging slot or landing window held back, until its status leaves in progress
+        (``StuckReads``, which closes the peer of a READ that never leaves it)."""
         agent = self._loop.agent
         if agent.status(handle) is not TransferStatus.IN_PROGRESS and agent.release_transfer(handle):
             if slot is not None:
@@ -798,11 +852,9 @@ class CacheReceiver:
             if landing is not None:
                 self._landing.give(landing)
             return
-        self.poisoned[incoming.key] = f"READ from {peer} may still be writing ({reason})"
-        self._stuck.append(_Stuck(incoming.key, incoming.request.request_id, handle, slot, landing))
+        now = time.monotonic()
+        self._stuck.add(StuckRead(incoming.key, incoming.request.request_id, handle, peer, slot, landing, now), reason)
         incoming.stuck = True
-        if slot is not None:
-            self._staging.poison(slot, reason)
 
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
@@ -831,10 +883,11 @@ class CacheReceiver:
     # --- progress loop ----------------------------------------------------------------------------------
     def _tick(self, now: float) -> bool:
         self._send_release_notices()
-        neglected = self._direct_queue and now - self._caller_polled_at > CALLER_HANDOFF_S
+        neglected = bool(self._direct_queue) and now - self._caller_polled_at > CALLER_HANDOFF_S
         if neglected:  # nobody polls: the loop thread finishes direct pulls (an embedder that checks rarely)
             self.progress(from_caller=False)
-        self._expire_direct(now)
+            neglected = self._direct_queue.next_due() <= time.monotonic() + IDLE_WAIT_S  # else: sleep till due
+        expiring = self._expire_direct(now)
         with self._lock:
             active = list(self._stepped.values())
         for incoming in active:
@@ -849,41 +902,21 @@ class CacheReceiver:
         if now - self._peers_swept_at >= PEER_SWEEP_S:
             self._peers_swept_at = now
             self._peers.forget_idle(now)
-        return bool(active) or bool(neglected)
+        return bool(active) or neglected or expiring
 
     def _retry_stuck(self, now: float) -> None:
         """Release the destinations of abandoned READs once their status has left in progress. Under the direct
         lock: a request failing on the caller's thread registers all its stuck READs before any is retired."""
-        if not self._stuck or not self._direct_lock.acquire(blocking=False):
+        if not self._stuck.due(now) or not self._direct_lock.acquire(timeout=MAX_SPIN_S):  # (a caller may spin)
             return
         try:
-            self._retire_stuck(now)
+            self._stuck.retire(now)
         finally:
             self._direct_lock.release()
 
-    def _retire_stuck(self, now: float) -> None:
-        agent = self._loop.agent
-        for stuck in [s for s in self._stuck if s.retry_at <= now]:
-            if agent.status(stuck.handle) is TransferStatus.IN_PROGRESS or not agent.release_transfer(stuck.handle):
-                stuck.retry_at = now + STUCK_RETRY_S
-                continue
-            self._release_stuck(stuck)
-
     def release_stuck_at_close(self) -> None:
-        """Once the agent is closed (its memory deregistered, its endpoints gone), no abandoned READ can land any
-        more: the destinations still poisoned come back (pins, staging slots, landing windows)."""
-        for stuck in list(self._stuck):
-            self._release_stuck(stuck)
-
-    def _release_stuck(self, stuck: _Stuck) -> None:
-        self._stuck.remove(stuck)
-        if stuck.slot is not None:
-            self._staging.clear_poison(stuck.slot)
-        if stuck.landing is not None:
-            self._landing.give(stuck.landing)
-        if not any(s.key == stuck.key and s.request_id == stuck.request_id for s in self._stuck):
-            self.poisoned.pop(stuck.key, None)
-            self._cache.unpin(stuck.request_id)
+        """Once the agent is closed, no abandoned READ can land any more (``StuckReads.release_all``)."""
+        self._stuck.release_all()
 
     def _advance(self, incoming: _Incoming, now: float) -> None:
         for peer in incoming.peers:
@@ -909,6 +942,10 @@ class CacheReceiver:
     def _advance_peer(self, incoming: _Incoming, peer: _PeerPull, now: float) -> None:
         current = peer.current
         if current is None:
+            if not self._stepped_peer_ready(incoming, peer):
+                return
+            if not peer.started and self._too_late_to_start(incoming, now):
+                raise TransferError(f"{peer.rank.agent_name} was loaded too close to the deadline to start a READ")
             if peer.kv_left and peer.plan is None and not self._next_step(incoming, peer):
                 return
             if now >= peer.retry_at:
@@ -920,6 +957,7 @@ class CacheReceiver:
         if not current.finished:
             status = self._loop.agent.status(current.handle)
             if status is TransferStatus.FAILED:
+                self._stuck.close_when_free({peer.rank.agent_name})  # (its connection may be broken)
                 raise TransferError(f"READ from {peer.rank.agent_name} failed")
             if status is TransferStatus.IN_PROGRESS:
                 return
@@ -944,6 +982,29 @@ class CacheReceiver:
             if peer.last_step:
                 peer.kv_left = False
                 peer.done = peer.full.state is None
+
+    def _stepped_peer_ready(self, incoming: _Incoming, peer: _PeerPull) -> bool:
+        """Whether the peer is loaded (its KV list prepared) for the next step; its loading is queued if not, and a
+        loading that failed ends the request."""
+        if reason := self._peers.failure(peer.rank.agent_name, incoming.request.transfer_start):
+            raise TransferError(reason)
+        direct_kv = peer.full.local_indices is not None and peer.full.expected_readers
+        return self._peers.ready(peer.rank, (kv_list(peer.full.coarse),) if direct_kv else ())
+
+    @staticmethod
+    def _too_late_to_start(incoming: _Incoming, now: float) -> bool:
+        budget = incoming.deadline - incoming.request.transfer_start
+        return now > incoming.deadline - min(MIN_READ_BUDGET_S, MIN_READ_BUDGET_PART * budget)
+
+    def _to_peer(self, rank: RankCommInfo, call: Callable[..., Any], *args: Any) -> Any:
+        """An agent call that posts a READ to the peer. If the agent refuses it, the connection may be broken (NIXL
+        refuses a peer whose endpoint failed): the peer is closed once no request is engaged with it, and the next
+        request that needs it loads it again."""
+        try:
+            return call(*args)
+        except AgentError:
+            self._stuck.close_when_free({rank.agent_name})
+            raise
 
     def _measurable(self, agent_name: str, nbytes: int, long_runs: bool) -> int:
         """Bytes to time for the transport check, or 0: only long runs (scattered head slabs are slow on any
@@ -974,6 +1035,7 @@ class CacheReceiver:
     def _next_step(self, incoming: _Incoming, peer: _PeerPull) -> bool:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
         if not peer.watching:
+            peer.started = True
             self._peers.connect(peer.rank)
             watch = prove(
                 LayerWatch(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
@@ -993,6 +1055,7 @@ class CacheReceiver:
 
     def _begin(self, incoming: _Incoming, peer: _PeerPull) -> None:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
+        peer.started = True
         if peer.full.expected_readers == 0:
             self._peers.connect(peer.rank)
             message = prove(
@@ -1005,7 +1068,9 @@ class CacheReceiver:
         if not peer.kv_left:
             state = peer.full.state
             self._peers.connect(peer.rank)
-            transfer.handle = self._loop.agent.read_ranges(
+            transfer.handle = self._to_peer(
+                peer.rank,
+                self._loop.agent.read_ranges,
                 peer.rank.agent_name,
                 state.local_rows,
                 self._cache.layout.pools[0].memory,
@@ -1020,8 +1085,14 @@ class CacheReceiver:
             coarse = peer.plan.coarse
             remote = self._peers.descriptors(peer.rank, coarse)
             notification = self._read_done(incoming, peer, transfer, final=peer.final_kv_read)
-            transfer.handle = self._loop.agent.read(
-                self._local[coarse], peer.plan.local_indices, remote, peer.plan.remote_indices, notification
+            transfer.handle = self._to_peer(
+                peer.rank,
+                self._loop.agent.read,
+                self._local[coarse],
+                peer.plan.local_indices,
+                remote,
+                peer.plan.remote_indices,
+                notification,
             )
             transfer.nbytes = self._measurable(peer.rank.agent_name, peer.plan.nbytes, coarse)
             transfer.posted_at, transfer.posts_before = time.monotonic(), self._posts
@@ -1076,7 +1147,9 @@ class CacheReceiver:
         slot = peer.slot.region
         current.nbytes = self._measurable(peer.rank.agent_name, grant.nbytes, True)
         current.posted_at, current.posts_before = time.monotonic(), self._posts
-        current.handle = self._loop.agent.read_ranges(
+        current.handle = self._to_peer(
+            peer.rank,
+            self._loop.agent.read_ranges,
             peer.rank.agent_name,
             np.array([[slot.address, grant.nbytes, slot.device_id]], dtype=np.uint64),
             slot.memory,
@@ -1125,12 +1198,24 @@ class CacheReceiver:
         return wire.encode(prove(done, secret, self._loop.agent.name))
 
     def _busy_agents(self) -> set[str]:
+        """The peers an active request reads or will read from (never forgotten meanwhile)."""
         with self._lock:
             active = list(self._active.values())
         names = set()
         for incoming in active:
             names.update(p.rank.agent_name for p in incoming.peers)
             names.update(p.rank.agent_name for p in incoming.direct or ())
+        return names
+
+    def _engaged_agents(self) -> set[str]:
+        """The peers an active request has posted to and still has business with (a READ or an answer in flight):
+        a peer held back is closed only once it is none of them."""
+        with self._lock:
+            active = list(self._active.values())
+        names = set()
+        for incoming in active:
+            names.update(p.rank.agent_name for p in incoming.peers if p.started and not p.done)
+            names.update(p.rank.agent_name for p in incoming.direct or () if p.step not in _NOT_ENGAGED)
         return names
 
     def _on_verdict(self, sender: str, verdict: ReadVerdict) -> None:
@@ -1206,11 +1291,9 @@ class CacheReceiver:
     def _tell_ctx_failed(
         self, incoming: _Incoming, rank: RankCommInfo, transfer_id: int, expected_readers: int, reason: str
     ) -> None:
-        """So the ctx rank releases the request now rather than at the end of its lease."""
-        try:
-            self._peers.connect(rank)
-        except AgentError as exc:
-            log.info("could not reach %s to report request %s failed: %s", rank.agent_name, incoming.key, exc)
+        """So the ctx rank releases the request now rather than at the end of its lease; only to a peer loaded now
+        (loading one to tell it would cost the thread that fails requests, for a peer that may be dead)."""
+        if not self._peers.loaded_now(rank.agent_name):
             return
         message = self._read_done_message(
             incoming.key, incoming.secret, transfer_id, expected_readers, True, False, failure=reason
@@ -1259,3 +1342,4 @@ class CacheReceiver:
             else:
                 self._fail(incoming, "the transceiver was closed")
         self._send_release_notices()
+        self._peers.close()

@@ -264,10 +264,8 @@ class CacheSender:
         if self._parked_early(reader, claim, self._on_stage_claim):
             return
         grant = self._signed(self._grant(reader, claim))
-        try:
-            self._loop.agent.notify(reader, wire.encode(grant))
-        except AgentError as exc:
-            log.warning("could not answer the stage claim of %s for request %d: %s", reader, claim.request_id, exc)
+        if failure := self._tell(reader, wire.encode(grant)):
+            log.warning("could not answer the stage claim of %s for request %d: %s", reader, claim.request_id, failure)
             self._free_slot(reader, claim.transfer_id, claim.request_id)
 
     def _grant(self, reader: str, claim: StageClaim) -> StageGrant:
@@ -325,10 +323,8 @@ class CacheSender:
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
         ready = self._signed(LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry)))
         for reader in readers:
-            try:
-                self._loop.agent.notify(reader, wire.encode(ready))
-            except AgentError as exc:
-                log.warning("could not tell %s about ready layers of request %d: %s", reader, ready.request_id, exc)
+            if failure := self._tell(reader, wire.encode(ready)):
+                log.warning("could not tell %s about ready layers of request %d: %s", reader, ready.request_id, failure)
 
     def _ready_below(self, entry: _Outgoing) -> int:
         """Global layers below this are ready (all of them for requests that are not layer-wise)."""
@@ -365,10 +361,20 @@ class CacheSender:
         verdict = self._signed(
             ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
         )
+        if failure := self._tell(reader, wire.encode(verdict)):
+            log.warning("could not answer reader %s of request %d: %s", reader, message.request_id, failure)
+
+    def _tell(self, reader: str, message: bytes) -> str:
+        """Notify a reader; "" or why it failed. A failed send forgets the reader (its connection may have broken,
+        as the transport ends one to a host that stopped answering): the next message it sends carries its metadata,
+        and loads it again."""
         try:
-            self._loop.agent.notify(reader, wire.encode(verdict))
+            self._loop.agent.notify(reader, message)
         except AgentError as exc:
-            log.warning("could not answer reader %s of request %d: %s", reader, message.request_id, exc)
+            if reader in self._known_readers:
+                self._forget_reader(reader)
+            return str(exc)
+        return ""
 
     def _free_slot(self, reader: str, transfer_id: int, request_id: int) -> None:
         found = self._granted.get((reader, transfer_id))

@@ -78,6 +78,11 @@ class Pair:
         self.ctx.transceiver.respond_and_send_async(request)
         return request
 
+    def meet(self) -> None:
+        """The gen instance meets the ctx instance (``connect_to``): its first READ is then posted at once, instead
+        of after the gen's peer directory loaded the ctx agent on its own thread."""
+        self.gen.transceiver.connect_to(self.ctx.transceiver.get_serialized_data_transceiver_state())
+
     def gen_request(self, gen_id: int, ctx_request: TransferRequest) -> TransferRequest:
         self.gen.cache.allocate(gen_id, ctx_request.num_tokens)
         return TransferRequest(gen_id, context_phase_params=ctx_request.context_phase_params)

@@ -18,11 +18,11 @@ import base64
 import dataclasses
 import itertools
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -106,17 +106,17 @@ class DeadHost:
         """Run ``python -m tests.ctx_host ARGUMENTS`` on the host; returns the params it printed."""
         command = [*self.prefix(boot_id_file), sys.executable, "-m", "tests.ctx_host", *arguments]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        deadline = time.monotonic() + timeout_s
-        stdout = self.process.stdout
-        while select.select([stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            line = stdout.readline()
-            if not line or line.startswith("READY"):
-                break
-            if line.startswith("PARAMS "):  # NIXL logs to stdout too
-                self.params.append(base64.b64decode(line.split()[1]))
-        if not self.params or self.process.poll() is not None:
-            raise RuntimeError(f"the ctx host did not start within {timeout_s} s")
-        return self.params
+        watchdog = threading.Timer(timeout_s, self.process.kill)  # the deadline of the reads below
+        watchdog.start()
+        try:
+            for line in self.process.stdout:
+                if line.startswith("READY"):
+                    return self.params
+                if line.startswith("PARAMS "):  # NIXL logs to stdout too
+                    self.params.append(base64.b64decode(line.split()[1]))
+        finally:
+            watchdog.cancel()
+        raise RuntimeError(f"the ctx host did not start within {timeout_s} s")
 
     def stop(self) -> None:
         """SIGSTOP: the host is up, its process answers nothing (READs from it stay in flight)."""

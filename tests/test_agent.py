@@ -110,7 +110,7 @@ def test_peer_directory_forgets_idle_agents_beyond_its_bound() -> None:
     others = [NixlAgent(f"directory-peer-{i}") for i in range(4)]
     layout = KVLayout(LayoutKind.BLOCK_MAJOR, 1, 1, 1, 1, 1, 1, 1, (MemoryRegion(4096, 1, 0, MemoryKind.DRAM),))
     ranks = [RankCommInfo(agent.name, agent.metadata(), layout) for agent in others]
-    directory = PeerDirectory(me, max_peers=2, busy_agents=lambda: busy)
+    directory = PeerDirectory(me, max_peers=2, busy_agents=lambda: busy, evict_idle_s=0.0)  # (LRU at once)
     try:
         busy.add(others[0].name)
         for rank in ranks:

@@ -139,6 +139,7 @@ def test_a_ctx_peer_that_never_answers_fails_the_request_at_its_lease(pair_facto
 def test_gen_cancel_before_and_during_the_read(pair_factory, when: str) -> None:
     pair = pair_factory()
     request = pair.gen_request(5, pair.prefill(1, 40))
+    pair.meet()  # the READ is posted at once: the cancel comes after it
     with stalled(pair.ctx):
         pair.gen.transceiver.request_and_receive_async(request)
         if when == "during":
@@ -160,6 +161,7 @@ def test_gen_cancel_before_and_during_the_read(pair_factory, when: str) -> None:
 
 def test_an_abandoned_read_poisons_its_destination_until_it_leaves_in_progress(pair_factory) -> None:
     pair = pair_factory()
+    pair.meet()  # the READ is posted at once: the cancel comes after it
     request = pair.gen_request(5, pair.prefill(1, 40))
     agent = pair.gen.transceiver._agent
     real_status, landed = agent.status, threading.Event()
@@ -187,6 +189,7 @@ def test_close_returns_the_destination_of_a_read_still_in_flight(pair_factory) -
     closed (memory deregistered, endpoints gone) nothing can land, so close unpins its blocks (they once stayed
     pinned for good, which the soak's new leftover count found)."""
     pair = pair_factory()
+    pair.meet()  # the READ is posted at once: the cancel comes after it
     request = pair.gen_request(5, pair.prefill(1, 40))
     agent = pair.gen.transceiver._agent
     agent.status = lambda handle: TransferStatus.IN_PROGRESS  # the READ never leaves in progress
@@ -213,7 +216,10 @@ def test_a_ctx_process_killed_mid_transfer_ends_gen_requests_in_error_and_gen_go
         request = TransferRequest(5, context_phase_params=params)
         start = time.monotonic()
         pair.gen.transceiver.request_and_receive_async(request)
-        time.sleep(0.3)  # the first layer is read, the rest waits for a prefill that will never finish
+        first_layer = expected(1, pair.shape.where(40), 2)[0]
+        deadline = time.monotonic() + 5  # the first layer is read, the rest waits for a prefill that never finishes
+        while not np.array_equal(pair.gen.cache.read_tokens(5, 40)[0], first_layer) and time.monotonic() < deadline:
+            time.sleep(0.01)
         ctx.kill()
         ctx.wait(10)
         assert _poll_gen(pair, 5) == "error"
@@ -222,7 +228,7 @@ def test_a_ctx_process_killed_mid_transfer_ends_gen_requests_in_error_and_gen_go
         ctx.kill()
     assert request.state is RequestState.TRANS_ERROR and elapsed < 3.0, (elapsed, request.error)
     got = pair.gen.cache.read_tokens(5, 40)
-    assert pair.mismatches(5, 1, 40) > 0 and np.array_equal(got[0], expected(1, pair.shape.where(40), 2)[0])
+    assert pair.mismatches(5, 1, 40) > 0 and np.array_equal(got[0], first_layer)
     # the gen instance goes on serving a new ctx instance
     again = pair.gen_request(6, pair.prefill(2, 40))
     pair.gen.transceiver.request_and_receive_sync(again)

@@ -257,6 +257,7 @@ def test_params_naming_other_pinned_blocks_are_refused(pair_factory) -> None:
 
 def test_a_read_after_the_lease_ended_fails_even_when_the_blocks_hold_new_bytes(pair_factory) -> None:
     pair = pair_factory(ctx_config={"lease_ms": 100})
+    pair.meet()  # (first contact would take much of the 100 ms the late reader has)
     ctx_request = pair.prefill(1, 40)
     time.sleep(0.3)  # the lease ends: the token is cleared and the blocks go back to the pool
     statuses = pair.ctx.transceiver.check_context_transfer_status(None)
