@@ -22,6 +22,7 @@ request that needs the peer loads it again from its params.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -45,6 +46,17 @@ log = logging.getLogger(__name__)
 PEER_IDLE_S = 120.0  # a loaded agent no request used for this long is forgotten (a dead or departed instance)
 PEER_SWEEP_S = 1.0  # how often the progress loop looks for such agents (gen side: forget_idle; ctx side: readers)
 WARM_TIMEOUT_S = 30.0  # the longest ``warm`` waits for the worker
+# After each loading it started itself, the worker rests as long as it took (at most MAX_PACE_S): it holds the agent's
+# lock (NIXL's is one per agent) for most of a loading, and back to back, 600 loadings of dead peers held it for most
+# of a flood, so that every call for a live request waited behind one. PACE: half the agent's time, at most.
+MAX_PACE_S = 0.01
+# FRESH: at most MAX_FRESH peers are in first contact at once (loaded, no READ from them done yet); other new peers
+# wait their turn. A flood of 600 dead peers put 600 connections in UCX's worker at once, which made every progress
+# call (every status check and notification poll, under the agent's lock) 5 times dearer for live requests. A fresh
+# peer stops being one when a READ from it completes, when it is closed (its READ failed or was stuck), or FRESH_S
+# after its loading.
+MAX_FRESH = 32
+FRESH_S = 5.0
 UNWANTED_CHECK_S = 0.1  # a loading queued longer than this is skipped if no active request needs the peer any more
 EVICT_IDLE_S = 5.0  # beyond max_peers, only lists and agents no request used for this long are released
 CLOSE_TIMEOUT_S = 5.0  # the longest ``close`` waits for the job the worker is running
@@ -64,11 +76,11 @@ class PeerDirectory:
         max_peers: int,
         busy_agents: Callable[[], set[str]],
         idle_s: float = PEER_IDLE_S,
-        on_change: Callable[[], None] = lambda: None,
+        on_change: Callable[[str], None] = lambda name: None,
         evict_idle_s: float = EVICT_IDLE_S,
     ) -> None:
-        """``on_change`` runs on the worker after each job (a peer got ready, failed or was closed): the receiver
-        wakes its progress loop with it, so requests waiting for a peer go on."""
+        """``on_change(name)`` runs on the worker after each job about a peer (it got ready, failed or was closed):
+        the receiver wakes the requests waiting for it, which poll nothing meanwhile."""
         self._agent = agent
         self._max_peers = max_peers
         self._busy_agents = busy_agents
@@ -82,6 +94,8 @@ class PeerDirectory:
         self._held_back: set[str] = set()
         self._unclosed: set[str] = set()  # held back; the agent could not close them yet
         self._closing: set[str] = set()  # a close is queued
+        self._fresh: dict[str, float] = {}  # loaded, no READ from it done yet -> when it was loaded (see FRESH)
+        self._deferred: collections.deque[tuple[RankCommInfo, tuple[bytes, ...]]] = collections.deque()
         self._lock = threading.RLock()
         self._jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self._order = itertools.count()
@@ -217,6 +231,9 @@ class PeerDirectory:
             with self._lock:
                 self._queued.pop(rank.agent_name, None)
             return
+        if self._defer(rank, lists):
+            return
+        started = time.monotonic()
         try:
             self._warm(rank, lists)
             with self._lock:
@@ -229,7 +246,37 @@ class PeerDirectory:
         finally:
             with self._lock:
                 self._queued.pop(rank.agent_name, None)
-            self._on_change()
+            self._on_change(rank.agent_name)
+            time.sleep(min(MAX_PACE_S, time.monotonic() - started))  # see PACE
+
+    def _defer(self, rank: RankCommInfo, lists: tuple[bytes, ...]) -> bool:
+        """Keep a new peer's loading for later while MAX_FRESH loaded peers have not shown one READ done (see
+        FRESH); True if it was kept."""
+        now = time.monotonic()
+        with self._lock:
+            for name in [name for name, loaded in self._fresh.items() if now - loaded > FRESH_S]:
+                del self._fresh[name]
+            if rank.agent_name in self._loaded or len(self._fresh) < MAX_FRESH:
+                return False
+            self._deferred.append((rank, lists))
+            return True
+
+    def _resume(self) -> None:
+        """Start the loadings kept for later, as far as there is room (and as still wanted)."""
+        while True:
+            with self._lock:
+                if not self._deferred or len(self._fresh) >= MAX_FRESH:
+                    return
+                rank, lists = self._deferred.popleft()
+            self._warm_in_background(rank, lists)
+
+    def proven(self, name: str) -> None:
+        """A READ from the peer completed: it is no longer a first contact (see FRESH)."""
+        if name in self._fresh:  # (read without the lock: the common case costs nothing)
+            with self._lock:
+                freed = self._fresh.pop(name, None) is not None
+            if freed and self._deferred:
+                self._submit(self._resume)
 
     def _load_then(self, rank: RankCommInfo, send: Callable[[], None]) -> None:
         try:
@@ -251,7 +298,7 @@ class PeerDirectory:
                 return
         self._agent.load_remote(rank.agent_metadata, name)  # outside the lock: lookups go on meanwhile
         with self._lock:
-            self._loaded[name] = time.monotonic()
+            self._loaded[name] = self._fresh[name] = time.monotonic()
         with contextlib.suppress(AgentError):  # the first READ connects instead
             self._agent.connect(name)
         with self._lock:
@@ -276,6 +323,7 @@ class PeerDirectory:
                 with self._lock:
                     lists = [self._prepared.pop(key)[0] for key in [key for key in self._prepared if key[0] == name]]
                     self._loaded.pop(name, None)
+                    self._fresh.pop(name, None)
                 for prepared in lists:
                     self._agent.release_prepared(prepared)
         except AgentError as exc:
@@ -288,7 +336,8 @@ class PeerDirectory:
                     self._unclosed.discard(name)
                 else:
                     self._unclosed.add(name)
-            self._on_change()
+            self._on_change(name)
+            self._resume()
 
     def _forget_idle(self, now: float) -> int:
         with self._lock:
@@ -298,9 +347,11 @@ class PeerDirectory:
                 for key in [key for key in self._prepared if key[0] == name]:
                     self._agent.release_prepared(self._prepared.pop(key)[0])
                 del self._loaded[name]
+                self._fresh.pop(name, None)
                 with contextlib.suppress(AgentError):  # it is no longer ours either way
                     self._agent.forget_remote(name)
-            return len(idle)
+        self._resume()  # (also loadings kept for later whose fresh peers went stale)
+        return len(idle)
 
     # --- under the lock ---------------------------------------------------------------------------------
     def _list(self, rank: RankCommInfo, what: bytes) -> Any:
@@ -349,6 +400,7 @@ class PeerDirectory:
         excess = max(0, len(self._loaded) - self._max_peers)
         for name in [a for a in self._loaded if idle(a) and a not in with_lists][:excess]:
             del self._loaded[name]
+            self._fresh.pop(name, None)
             self._agent.forget_remote(name)
 
 

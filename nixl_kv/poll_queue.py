@@ -41,11 +41,18 @@ class PollQueue(Generic[K, V]):
         self._heap: list[tuple[float, int, K]] = []
         self._seq = itertools.count()
 
-    def put(self, key: K, value: V, now: float, expected_s: float = 0.0) -> None:
-        """Add (or replace) ``key``, due at once; ``expected_s`` is how long its work should take."""
+    def put(self, key: K, value: V, now: float, expected_s: float = 0.0, due: float | None = None) -> None:
+        """Add (or replace) ``key``, due at once (or at ``due``); ``expected_s`` is how long its work should take."""
         entry = _Entry(value, now, expected_s, next(self._seq))
         self._entries[key] = entry
-        heapq.heappush(self._heap, (now, entry.seq, key))
+        heapq.heappush(self._heap, (now if due is None else due, entry.seq, key))
+
+    def hurry(self, key: K, now: float) -> None:
+        """Make ``key`` due at once (what it waits for happened)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.seq = next(self._seq)  # its earlier place in the heap goes stale
+            heapq.heappush(self._heap, (now, entry.seq, key))
 
     def pop(self, key: K) -> V | None:
         entry = self._entries.pop(key, None)

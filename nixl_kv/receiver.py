@@ -85,6 +85,7 @@ EXPIRE_BATCH = 16  # direct requests failed at their deadline per progress-loop 
 # transport ends it (NIXL: ~1 s, ``ucx_config``).
 MIN_READ_BUDGET_S = 0.2
 MIN_READ_BUDGET_PART = 0.25
+CONNECT_RECHECK_S = 0.05  # a pull waiting for its peer is woken when the peer directory is done; else polled this often
 
 
 _NOT_ENGAGED = (Step.CONNECT, Step.DONE)
@@ -207,7 +208,9 @@ class CacheReceiver:
         self._by_transfer: dict[int, tuple[_Incoming, _PeerPull]] = {}
         self._transfer_ids = itertools.count(1)
         self._states: OrderedDict[bytes, tuple[DataTransceiverState, str]] = OrderedDict()  # state, its problem
-        self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents, on_change=loop.wake)
+        self._peers = PeerDirectory(loop.agent, max_peers, self._busy_agents, on_change=self._peer_changed)
+        self._changed_peers: collections.deque[str] = collections.deque()  # from the peer directory's thread
+        self._connecting: dict[str, set[tuple[RequestKey, int]]] = {}  # peer -> direct pulls waiting for it
         self._peers_swept_at = 0.0
         self._stuck = StuckReads(loop.agent, cache, staging, landing, self._peers, self._engaged_agents)
         self.poisoned = self._stuck.poisoned
@@ -463,7 +466,27 @@ class CacheReceiver:
             self._post_direct(incoming, pull)
             return
         pull.step, pull.waiting_since = Step.CONNECT, time.monotonic()
-        self._queue_direct(incoming, pull)
+        unit = (incoming.key, pull.read.peer_rank)
+        self._connecting.setdefault(pull.rank.agent_name, set()).add(unit)
+        self._direct_queue.put(unit, (incoming, pull), pull.waiting_since, due=pull.waiting_since + CONNECT_RECHECK_S)
+
+    def _peer_changed(self, name: str) -> None:
+        """The peer directory's thread: a peer got ready, failed to load, or was closed."""
+        self._changed_peers.append(name)
+        self._loop.wake()
+
+    def _hurry_connecting(self, now: float) -> None:
+        """Under the direct lock: the pulls waiting for peers that changed are due now."""
+        while self._changed_peers:
+            for unit in self._connecting.get(self._changed_peers.popleft(), ()):
+                self._direct_queue.hurry(unit, now)
+
+    def _stop_connecting(self, unit: tuple[RequestKey, int], pull: DirectPull) -> None:
+        waiting = self._connecting.get(pull.rank.agent_name)
+        if waiting is not None:
+            waiting.discard(unit)
+            if not waiting:
+                del self._connecting[pull.rank.agent_name]
 
     @staticmethod
     def _direct_lists(read: PeerRead) -> tuple[bytes, ...]:
@@ -532,7 +555,9 @@ class CacheReceiver:
             return 0
         ended = self._direct_ended
         try:
-            self._direct_queue.visit(time.monotonic(), DIRECT_BATCH, self._visit_direct, time.monotonic)
+            now = time.monotonic()
+            self._hurry_connecting(now)
+            self._direct_queue.visit(now, DIRECT_BATCH, self._visit_direct, time.monotonic)
             return self._direct_ended - ended
         finally:
             self._direct_lock.release()
@@ -650,6 +675,7 @@ class CacheReceiver:
                 raise TransferError(f"{pull.step.value.split()[0]} from {pull.rank.agent_name} failed")
             agent.release_transfer(pull.handle)
             pull.handle = None
+            self._peers.proven(pull.rank.agent_name)
             pull.read_seen_ns = time.monotonic_ns()
             pull.promised = pull.read_seen_ns < pull.promised_until_ns
         if pull.early is not None and not self._early_check_ended(incoming, pull):
@@ -686,9 +712,11 @@ class CacheReceiver:
         if reason := self._peers.failure(pull.rank.agent_name, pull.waiting_since):
             raise TransferError(reason)
         if not self._peers.ready(pull.rank, self._direct_lists(pull.read)):
+            self._direct_queue.put(unit, (incoming, pull), pull.waiting_since, due=time.monotonic() + CONNECT_RECHECK_S)
             return
         if self._too_late_to_start(incoming, time.monotonic()):
             raise TransferError(f"{pull.rank.agent_name} was loaded too close to the deadline to start a READ")
+        self._stop_connecting(unit, pull)
         self._direct_queue.pop(unit)
         pull.step = Step.READ
         self._post_direct(incoming, pull)
@@ -820,6 +848,8 @@ class CacheReceiver:
                 return
             for pull in incoming.direct:
                 self._direct_queue.pop((incoming.key, pull.read.peer_rank))
+                if pull.step is Step.CONNECT:
+                    self._stop_connecting((incoming.key, pull.read.peer_rank), pull)
                 self._direct_by_transfer.pop(pull.transfer_id, None)
                 peer = pull.rank.agent_name
                 landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
@@ -963,6 +993,7 @@ class CacheReceiver:
                 return
             self._loop.agent.release_transfer(current.handle)
             current.handle = None
+            self._peers.proven(peer.rank.agent_name)
             self._transport_check(peer.rank.agent_name, current.nbytes, current.posted_at, current.posts_before, now)
             if peer.reading_piece:
                 self._unpack(incoming, peer)
@@ -1198,10 +1229,11 @@ class CacheReceiver:
         return wire.encode(prove(done, secret, self._loop.agent.name))
 
     def _busy_agents(self) -> set[str]:
-        """The peers an active request reads or will read from (never forgotten meanwhile)."""
+        """The peers an active request reads or will read from, and those of READs still in progress (never
+        forgotten meanwhile: forgetting a NIXL peer would make their status lie)."""
         with self._lock:
             active = list(self._active.values())
-        names = set()
+        names = self._stuck.peers()
         for incoming in active:
             names.update(p.rank.agent_name for p in incoming.peers)
             names.update(p.rank.agent_name for p in incoming.direct or ())

@@ -71,6 +71,10 @@ class StuckReads:
     def __bool__(self) -> bool:
         return bool(self._reads)
 
+    def peers(self) -> set[str]:
+        """The peers of READs still in progress (any thread: a snapshot)."""
+        return {read.peer for read in tuple(self._reads)}
+
     def due(self, now: float) -> bool:
         """Whether ``retire`` has work now (a READ to retry, a peer to close)."""
         return any(read.retry_at <= now for read in self._reads) or self._closes_due(now)
