@@ -4,8 +4,10 @@ request still gets what transformers ``generate`` gives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -264,6 +266,44 @@ def test_a_full_gen_server_answers_503_at_once(small: Cluster, llama: Path) -> N
     tokens = generated(post(gen.url + "/generate", body))  # refused for room, the params were not used
     assert_identical([Outcome(PROMPT, tokens, 0, 0)], llama, "float32")
     assert_correct(router, llama, [PROMPT[:30]])
+
+
+@contextlib.contextmanager
+def client_gone_while(server: Server, url: str, path: str, body: dict) -> Iterator[None]:
+    """A client that sends its request, then hangs up before the answer starts (while the body of the ``with``
+    runs); ``server`` is stopped meanwhile, so the request is still being worked on when the client goes."""
+    parsed = httpx.URL(url)
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nhost: {parsed.host}\r\ncontent-type: application/json\r\n"
+    server.pause()
+    try:
+        with socket.create_connection((parsed.host, parsed.port), timeout=10) as client:
+            client.sendall(head.encode() + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+            yield
+    finally:
+        server.resume()
+
+
+def test_a_client_gone_before_the_answer_gives_its_place_back_and_stops_the_decoding(
+    small: Cluster, llama: Path
+) -> None:
+    """The gen server (one place) and the router: a client that hangs up while its transfer runs must not keep its
+    place, nor the engine decoding to max_tokens for nobody, nor the router's upstream response open."""
+    router, ctx, gen = small.router.url, small.of("ctx")[0], small.of("gen")[0]
+    wait_for(lambda: health(ctx)["unpulled"] == 0, LEASE_S + 5, "free ctx")
+    body, _ = prefill(ctx.url, PROMPT)
+    with client_gone_while(gen, gen.url, "/generate", {**body, "max_tokens": LONG}):
+        time.sleep(0.5)
+    wait_for(lambda: health(gen)["in_flight"] == 0 and not health(gen)["decoding"], 10, "its place back")
+    used = post(gen.url + "/generate", body)  # the gen took the request: its params were used
+    assert used.status_code == 409, used.text
+    routed = {"prompt": PROMPT[:20], "max_tokens": LONG, "stream": True}
+    with client_gone_while(gen, router, "/v1/completions", routed):
+        wait_for(lambda: health(ctx)["unpulled"] == 1, 10, "the routed request's prefill")
+        time.sleep(0.3)  # (the router is waiting for the stopped gen's answer)
+    wait_for(lambda: httpx.get(router + "/health", timeout=10).json()["in_flight"] == 0, 10, "the router's place back")
+    wait_for(lambda: health(gen)["in_flight"] == 0 and not health(gen)["decoding"], 10, "the gen's place back")
+    assert_correct(router, llama, [PROMPT, PROMPT[:20]])
 
 
 def test_a_ctx_full_of_unpulled_params_answers_503_at_once_and_frees_them_at_their_lease(

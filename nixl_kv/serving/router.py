@@ -73,7 +73,8 @@ def create_router_app(
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
     prompt_limit = PromptLimit([*ctx.urls, *gen.urls])
     admission = Admission(limits.max_in_flight, in_flight_refusal("router", limits.max_in_flight))
-    add_common_routes(app, "router", lambda: True, lambda: {"ctx": ctx.urls, "gen": gen.urls}, limits.max_body_bytes)
+    describe = lambda: {"ctx": ctx.urls, "gen": gen.urls, "in_flight": admission.count}  # noqa: E731
+    add_common_routes(app, "router", lambda: True, describe, limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> object:
