@@ -487,3 +487,61 @@ cdef class MessageDecoder:
             raise
         except RecursionError:
             raise WireFormatError(cls.__name__, "nested too deeply") from None
+
+
+# --- encoding flat dataclasses -------------------------------------------------------------------------------------
+cdef class FlatEncoder:
+    """The plain (msgpack-ready) body of one flat dataclass, as ``wire._to_plain`` makes it: each field by name, in
+    field order, less those equal to their default; tuples as lists. ``rules``: per field ``(name, has_default,
+    default, plain)`` (``plain``: sent as it is, as wire's ``_fields`` says); ``to_plain`` is wire's, for any value
+    that is not None, an int, a str, bytes, a bool, or a tuple of ints or of tuples of ints."""
+
+    cdef tuple names
+    cdef tuple has_defaults
+    cdef tuple defaults
+    cdef tuple plains
+    cdef object to_plain
+
+    def __init__(self, rules, to_plain):
+        self.names = tuple(rule[0] for rule in rules)
+        self.has_defaults = tuple(bool(rule[1]) for rule in rules)
+        self.defaults = tuple(rule[2] for rule in rules)
+        self.plains = tuple(bool(rule[3]) for rule in rules)
+        self.to_plain = to_plain
+
+    def __call__(self, obj):
+        cdef dict body = {}
+        cdef Py_ssize_t i
+        for i in range(len(self.names)):
+            name = self.names[i]
+            item = getattr(obj, name)
+            if not self.has_defaults[i] or item != self.defaults[i]:
+                body[name] = item if self.plains[i] else self._plain(item)
+        return body
+
+    cdef object _plain(self, object item):
+        cdef tuple values
+        cdef object entry
+        cdef list out
+        if item is None or type(item) is int or type(item) is bytes or type(item) is str or type(item) is bool:
+            return item
+        if type(item) is tuple:
+            values = <tuple>item
+            if _all_ints(values):
+                return list(values)
+            out = []
+            for entry in values:
+                if type(entry) is tuple and _all_ints(<tuple>entry):
+                    out.append(list(<tuple>entry))
+                else:
+                    out.append(self.to_plain(entry))
+            return out
+        return self.to_plain(item)
+
+
+cdef inline bint _all_ints(tuple values):
+    cdef object entry
+    for entry in values:
+        if type(entry) is not int:
+            return False
+    return True

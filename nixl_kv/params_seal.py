@@ -15,7 +15,6 @@ decoded (or kept for prefix reuse) under another.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Sequence
 
@@ -38,7 +37,7 @@ is_sealed = _fastpath.is_sealed
 
 def encode_params(params: ContextPhaseParams) -> bytes:
     """The params' wire bytes, sealed: what ``TransferRequest.context_phase_params`` carries."""
-    return seal(wire.encode(dataclasses.replace(params, checksum=PLACEHOLDER)))
+    return seal(wire.encode_with_last(params, PLACEHOLDER))  # checksum, the last field, set to the placeholder
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:

@@ -53,6 +53,16 @@ def encode(obj: Any, omit: str = "") -> bytes:
     return msgpack.packb({"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": body}, use_bin_type=True)
 
 
+def encode_with_last(obj: Any, value: Any) -> bytes:
+    """``encode(dataclasses.replace(obj, <its last field>=value))`` without making the copy."""
+    body = _to_plain(obj)
+    name, default, _ = _fields(type(obj))[-1]
+    body.pop(name, None)  # (it is the last key where present)
+    if default is _NO_DEFAULT or value != default:
+        body[name] = value if type(value) in (bool, int, str, bytes) else _to_plain(value)
+    return msgpack.packb({"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": body}, use_bin_type=True)
+
+
 def decode(data: bytes, cls: type[T]) -> T:
     """Decode and validate ``data`` as an instance of ``cls``; raises WireFormatError on any problem."""
     return decode_one_of(data, (cls,))
@@ -94,17 +104,33 @@ def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        plain = {}
-        for name, default, is_plain in _fields(type(value)):
-            item = getattr(value, name)
-            if default is _NO_DEFAULT or item != default:
-                plain[name] = item if is_plain else _to_plain(item)
-        return plain
+        flat = _flat_encoder(type(value))
+        return flat(value) if flat is not None else _generic_dataclass_plain(value)
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):
         return [_to_plain(item) for item in value]
     return value
+
+
+def _generic_dataclass_plain(value: Any) -> dict[str, Any]:
+    """The body of a dataclass that is not flat (the tests also hold each flat one's compiled encoder to it)."""
+    plain = {}
+    for name, default, is_plain in _fields(type(value)):
+        item = getattr(value, name)
+        if default is _NO_DEFAULT or item != default:
+            plain[name] = item if is_plain else _to_plain(item)
+    return plain
+
+
+@cache
+def _flat_encoder(cls: type) -> _fastpath.FlatEncoder | None:
+    """The compiled body encoder of a flat dataclass (see ``_flat_rules``), None for the others."""
+    if not isinstance(cls, type) or _flat_rules(cls) is None:
+        return None
+    return _fastpath.FlatEncoder(
+        [(name, default is not _NO_DEFAULT, default, plain) for name, default, plain in _fields(cls)], _to_plain
+    )
 
 
 @cache
