@@ -3,8 +3,10 @@
 ``ContextPhaseParams.checksum`` is the last field the encoder writes, and its value always has the top bit set,
 so it is always the message's last 9 bytes: msgpack's uint64 marker and 8 big-endian bytes. The ctx side encodes
 the params with a placeholder there and writes over it a 63-bit keyless BLAKE2b of everything before it; the gen
-side recomputes that over the bytes it received before decoding them (1-2 µs). It catches damage, not forgery:
-the router that carries the params is trusted (docs/trust_model.md).
+side recomputes that over the bytes it received before decoding them. It catches damage, not forgery: the router
+that carries the params is trusted (docs/trust_model.md). The seal and its check are compiled
+(``nixl_kv._fastpath``: BLAKE2b over the caller's buffer, no copy; the same digest as ``hashlib.blake2b`` with
+``digest_size=8, person=b"nixl_kv-params"``).
 
 ``prompt_digest`` binds params to their prompt: the ctx side puts the digest of the prompt's token ids in the
 params, and the gen side compares it with the prompt it is asked to decode, so KV made for one prompt is never
@@ -13,38 +15,29 @@ decoded (or kept for prefix reuse) under another.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Sequence
 
 from nixl_kv import wire
 from nixl_kv.state import ContextPhaseParams
 
+_fastpath = wire._fastpath  # the compiled module (wire says how to build it where it is missing)
+
 TOP_BIT = 1 << 63
 PLACEHOLDER = TOP_BIT  # what the encoder writes first: 0xcf + 8 bytes
-_UINT64 = 0xCF
 PROMPT_DIGEST_BYTES = 16
 
-
-def _digest(body: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(body, digest_size=8, person=b"nixl_kv-params").digest(), "big") | TOP_BIT
+_digest = _fastpath.params_digest  # the seal of a body (the encoded params less their last 8 bytes)
+# ``seal(encoded)``: encoded params that end in a uint64 (the checksum, or its placeholder), that uint64 set to the
+# checksum; ValueError when they do not end in one. ``is_sealed(data)``: whether ``data`` ends in the checksum of
+# everything before it.
+seal = _fastpath.seal
+is_sealed = _fastpath.is_sealed
 
 
 def encode_params(params: ContextPhaseParams) -> bytes:
     """The params' wire bytes, sealed: what ``TransferRequest.context_phase_params`` carries."""
-    return seal(wire.encode(dataclasses.replace(params, checksum=PLACEHOLDER)))
-
-
-def seal(encoded: bytes) -> bytes:
-    """Encoded params that end in a uint64 (the checksum, or its placeholder), that uint64 set to the checksum."""
-    if len(encoded) < 9 or encoded[-9] != _UINT64:
-        raise ValueError("the params do not end in their checksum field")
-    return encoded[:-8] + _digest(encoded[:-8]).to_bytes(8, "big")
-
-
-def is_sealed(data: bytes) -> bool:
-    """Whether ``data`` ends in the checksum of everything before it."""
-    return len(data) >= 9 and data[-9] == _UINT64 and int.from_bytes(data[-8:], "big") == _digest(data[:-8])
+    return seal(wire.encode_with_last(params, PLACEHOLDER))  # checksum, the last field, set to the placeholder
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:

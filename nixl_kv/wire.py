@@ -5,6 +5,10 @@ is a map of its field names, less those at their default (so a peer built before
 messages that do not use it); enums travel as their values, tuples as arrays, bytes as bin. Decoding walks
 the dataclass's type hints, so each field's type, bounds and length are checked, then each object's
 ``problems()`` checks cross-field rules. Whatever the input, the decoder raises only ``WireFormatError``.
+
+The envelope, and the body of every flat dataclass (the params and the control messages: see ``_flat_rules``), are
+decoded by compiled code (``nixl_kv._fastpath``), from the rules worked out here; the closures below decode the
+others (the transceiver state, decoded once per instance).
 """
 
 from __future__ import annotations
@@ -20,12 +24,20 @@ import msgpack
 
 from nixl_kv.errors import WireFormatError
 
+try:
+    from nixl_kv import _fastpath
+except ImportError as exc:  # a source checkout on sys.path that was never built
+    raise ImportError(
+        "nixl_kv._fastpath, the compiled part of nixl_kv, is not built: in the checkout, run `pip install -e .` "
+        "(or `python setup.py build_ext --inplace`; both need gcc, the Python headers and Cython)"
+    ) from exc
+
 WIRE_VERSION = 2  # 2: control messages carry a MAC as their proof, not the secret
 MAX_MESSAGE_BYTES = 16 << 20
 _DEFAULT_MAX_STR = 1024
 _DEFAULT_MAX_BYTES = 64 << 10
 _DEFAULT_MAX_ITEMS = 1 << 20
-_MAX_DEPTH = 16
+_MAX_DEPTH = _fastpath.DEPTH_LIMIT  # one limit for the compiled decoders and these
 _U64_MAX = (1 << 64) - 1
 _NO_DEFAULT = object()
 
@@ -41,6 +53,16 @@ def encode(obj: Any, omit: str = "") -> bytes:
     return msgpack.packb({"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": body}, use_bin_type=True)
 
 
+def encode_with_last(obj: Any, value: Any) -> bytes:
+    """``encode(dataclasses.replace(obj, <its last field>=value))`` without making the copy."""
+    body = _to_plain(obj)
+    name, default, _ = _fields(type(obj))[-1]
+    body.pop(name, None)  # (it is the last key where present)
+    if default is _NO_DEFAULT or value != default:
+        body[name] = value if type(value) in (bool, int, str, bytes) else _to_plain(value)
+    return msgpack.packb({"nixl_kv": WIRE_VERSION, "type": type(obj).__name__, "body": body}, use_bin_type=True)
+
+
 def decode(data: bytes, cls: type[T]) -> T:
     """Decode and validate ``data`` as an instance of ``cls``; raises WireFormatError on any problem."""
     return decode_one_of(data, (cls,))
@@ -48,35 +70,21 @@ def decode(data: bytes, cls: type[T]) -> T:
 
 def decode_one_of(data: bytes, classes: tuple[type, ...]) -> Any:
     """Decode a message whose type is any of ``classes`` (chosen by the envelope's type tag)."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise WireFormatError("<message>", f"expected bytes, got {type(data).__name__}")
-    size = memoryview(data).nbytes
-    if size > MAX_MESSAGE_BYTES:
-        raise WireFormatError("<message>", f"{size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    try:
-        envelope = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            strict_map_key=True,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many unrelated types on garbage; all mean the same thing
-        raise WireFormatError("<message>", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(envelope, dict) or set(envelope) != {"nixl_kv", "type", "body"}:
-        raise WireFormatError("<message>", "not a nixl_kv envelope (expected keys nixl_kv, type, body)")
-    version = envelope["nixl_kv"]
-    if type(version) is not int or version != WIRE_VERSION:
-        raise WireFormatError("nixl_kv", f"unsupported wire version {version!r}, this build speaks {WIRE_VERSION}")
-    by_name = {cls.__name__: cls for cls in classes}
-    cls = by_name.get(envelope["type"]) if isinstance(envelope["type"], str) else None
-    if cls is None:
-        raise WireFormatError("type", f"expected one of {', '.join(by_name)}, got {_show(envelope['type'])}")
-    try:
-        return _decoder(cls, ())(envelope["body"], cls.__name__, 0)
-    except WireFormatError:
-        raise
-    except RecursionError:
-        raise WireFormatError(cls.__name__, "nested too deeply") from None
+    return _message_decoder(classes)(data)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+
+
+@cache
+def _message_decoder(classes: tuple[type, ...]) -> _fastpath.MessageDecoder:
+    """The compiled decoder of messages of these classes: the size limit, msgpack, the envelope, the body."""
+    return _fastpath.MessageDecoder(classes, _unpack, WIRE_VERSION, MAX_MESSAGE_BYTES, _body_decoder, _show)
+
+
+def _body_decoder(cls: type) -> Decoder:
+    return _decoder(cls, ())
 
 
 @cache
@@ -96,17 +104,33 @@ def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        plain = {}
-        for name, default, is_plain in _fields(type(value)):
-            item = getattr(value, name)
-            if default is _NO_DEFAULT or item != default:
-                plain[name] = item if is_plain else _to_plain(item)
-        return plain
+        flat = _flat_encoder(type(value))
+        return flat(value) if flat is not None else _generic_dataclass_plain(value)
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):
         return [_to_plain(item) for item in value]
     return value
+
+
+def _generic_dataclass_plain(value: Any) -> dict[str, Any]:
+    """The body of a dataclass that is not flat (the tests also hold each flat one's compiled encoder to it)."""
+    plain = {}
+    for name, default, is_plain in _fields(type(value)):
+        item = getattr(value, name)
+        if default is _NO_DEFAULT or item != default:
+            plain[name] = item if is_plain else _to_plain(item)
+    return plain
+
+
+@cache
+def _flat_encoder(cls: type) -> _fastpath.FlatEncoder | None:
+    """The compiled body encoder of a flat dataclass (see ``_flat_rules``), None for the others."""
+    if not isinstance(cls, type) or _flat_rules(cls) is None:
+        return None
+    return _fastpath.FlatEncoder(
+        [(name, default is not _NO_DEFAULT, default, plain) for name, default, plain in _fields(cls)], _to_plain
+    )
 
 
 @cache
@@ -204,7 +228,51 @@ def _tuple_decoder(item_hint: Any, meta: dict[str, Any], meta_items: tuple[tuple
     return decode
 
 
+def _flat_rules(cls: type) -> list[tuple[Any, ...]] | None:
+    """The rules of a flat dataclass for ``_fastpath.FlatDecoder`` (every field an int, bool, bytes, str, tuple of
+    ints or tuple of tuples of ints, each optionally None: the params and every control message); None for any
+    other. Each rule carries what the generic decoders below would check: the bounds and limits of its metadata."""
+    hints = _hints(cls)
+    rules = []
+    for spec in dataclasses.fields(cls):
+        hint, meta = hints[spec.name], spec.metadata
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        if optional:  # as _decoder: the first type that is not None; None is accepted
+            hint = [arg for arg in typing.get_args(hint) if arg is not type(None)][0]
+        limit, inner_limit = 0, 0
+        if hint is int or hint is bool:
+            kind = "int" if hint is int else "bool"
+        elif hint is bytes:
+            kind, limit = "bytes", meta.get("max_bytes", _DEFAULT_MAX_BYTES)
+        elif hint is str:
+            kind, limit = "str", meta.get("max_len", _DEFAULT_MAX_STR)
+        elif typing.get_origin(hint) is tuple and typing.get_args(hint)[0] is int:
+            kind, limit = "ints", meta.get("max_items", _DEFAULT_MAX_ITEMS)
+        elif (
+            typing.get_origin(hint) is tuple
+            and typing.get_origin(inner := typing.get_args(hint)[0]) is tuple
+            and typing.get_args(inner)[0] is int
+        ):
+            kind, limit = "ints2", meta.get("max_outer", _DEFAULT_MAX_ITEMS)
+            inner_limit = meta.get("max_items", _DEFAULT_MAX_ITEMS)
+        else:
+            return None
+        has_default = spec.default is not dataclasses.MISSING or spec.default_factory is not dataclasses.MISSING
+        lo, hi = meta.get("lo", 0), meta.get("hi", _U64_MAX)
+        rules.append((spec.name, _fastpath.KINDS[kind], optional, has_default, lo, hi, limit, inner_limit))
+    return rules
+
+
 def _dataclass_decoder(cls: type) -> Decoder:
+    """A flat dataclass is decoded by compiled code (``_fastpath.FlatDecoder``, the same checks and messages as
+    below); the others, which nest dataclasses or enums, by the closures below."""
+    flat = _flat_rules(cls)
+    return _fastpath.FlatDecoder(cls, flat, _show) if flat is not None else _generic_dataclass_decoder(cls)
+
+
+def _generic_dataclass_decoder(cls: type) -> Decoder:
+    """The decoder of any dataclass of the data model, from the closures above (the tests also hold the compiled
+    decoder of each flat dataclass to it)."""
     hints = _hints(cls)
     rules = []
     for spec in dataclasses.fields(cls):

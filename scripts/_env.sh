@@ -9,7 +9,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.nixl_kv_installed"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+# Also when the compiled module (nixl_kv._fastpath, built in place by the editable install) is missing or older
+# than its source.
+built=("$ROOT"/nixl_kv/_fastpath.*.so)
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ] \
+  || [ ! -f "${built[0]}" ] || [ "$ROOT/nixl_kv/_fastpath.pyx" -nt "${built[0]}" ]; then
   echo "[setup] installing nixl-kv and its test extras (nixl brings torch: about a minute the first time)" >&2
   log="$VENV/install.log"
   if ! { "$VENV/bin/python" -m pip install -q --upgrade pip && "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"; } >"$log" 2>&1; then

@@ -207,3 +207,27 @@ def test_ucx_skips_its_ib_modules_only_without_an_rdma_device(tmp_path: Path, mo
     (tmp_path / "infiniband" / "mlx5_0").mkdir(parents=True)
     environ = {}
     assert not nixl_agent.skip_ucx_ib_without_rdma_devices(environ) and environ == {}
+
+
+def test_ucx_gets_cuda_ipc_reads_by_default_on_a_gpu_host_unless_the_user_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (cuda_ipc turns GET off without NVLink; READs then crawl over TCP), set only
+    where unset, and only with an NVIDIA driver (elsewhere UCX warns of an unused variable)."""
+    from nixl_kv.agents import nixl_agent, ucx_agent, ucx_config
+
+    name = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.setattr(ucx_config, "NVIDIA_CONTROL_DEVICE", tmp_path / "nvidiactl")
+    environ: dict[str, str] = {}
+    assert name not in ucx_config.apply_ucx_defaults(environ) and environ == ucx_config.TCP_DEFAULTS  # no driver
+    (tmp_path / "nvidiactl").touch()
+    environ = {}
+    assert name in ucx_config.apply_ucx_defaults(environ) and environ == {**ucx_config.TCP_DEFAULTS, name: "on"}
+    chosen = {name: "off", "UCX_TCP_CONN_NB": "n"}
+    assert ucx_config.bound_tcp_failures(chosen) == [n for n in ucx_config.TCP_DEFAULTS if n != "UCX_TCP_CONN_NB"]
+    assert chosen[name] == "off" and chosen["UCX_TCP_CONN_NB"] == "n"  # the user's choices stand
+    # both UCX-based agents call this entry point before UCX starts; a NIXL agent applies it
+    assert nixl_agent.bound_tcp_failures is ucx_agent.bound_tcp_failures is ucx_config.bound_tcp_failures
+    monkeypatch.delenv(name, raising=False)
+    NixlAgent(f"test-defaults-{time.time_ns()}").close()
+    assert ucx_config.os.environ[name] == "on"

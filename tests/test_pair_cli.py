@@ -85,6 +85,37 @@ def test_bandwidth_is_the_median_of_the_rounds_after_the_first() -> None:
     assert one_round.summary()["gbps"] == pytest.approx(1.0)
 
 
+def test_one_request_size_reports_its_cost_over_a_raw_read_of_the_same_bytes() -> None:
+    common = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]
+    result = _pair(*common, "--requests", "40", "--rounds", "4", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    request_bytes = 3 * 16 * 2 * 2 * 2 * 16  # 3 whole blocks of 16 tokens
+    assert summary["raw_request_bytes"] == request_bytes and summary["bytes"] == 4 * request_bytes
+    latencies, raw = summary["latency_us_all"], summary["raw_request_read_us_all"]
+    assert len(latencies) == 3 and len(raw) > 1  # the rounds after the first; many READs of the small size
+    assert summary["latency_p50_us"] == percentile(latencies, 0.5)
+    assert summary["raw_request_read_p50_us"] == percentile(raw, 0.5) > 0
+    assert summary["extra_over_raw_us"] == percentile(latencies, 0.5) - percentile(raw, 0.5)
+    assert f"request's {request_bytes} bytes as one descriptor" in result.stdout
+
+
+def test_extra_over_raw_is_the_difference_of_the_two_p50s_and_only_like_for_like() -> None:
+    report = PairReport(round_seconds=[0.5, 0.1], round_bytes=[8, 8], raw_request_bytes=4)
+    for index, latency in enumerate([0.9, 0.9, 0.000_300, 0.000_100]):
+        report.results.append(RequestResult(index // 2, index, 16, 4, 0.0, True, 0, None, latency_s=latency))
+    report.raw_request_seconds = [0.000_050, 0.000_070, 0.000_060]
+    summary = report.summary()
+    assert summary["latency_us_all"] == [300.0, 100.0] and summary["raw_request_read_us_all"] == [50.0, 70.0, 60.0]
+    assert summary["latency_p50_us"] == 100.0 and summary["raw_request_read_p50_us"] == 60.0  # nearest rank
+    assert summary["extra_over_raw_us"] == 100.0 - 60.0
+    report.results[-1].bytes = 5  # the steady requests now differ in size: no READ of the same bytes
+    assert report.request_bytes() is None and report.summary()["extra_over_raw_us"] is None
+    report.results[-1].bytes, report.raw_request_bytes = 4, 5  # a READ of other bytes is not subtracted
+    assert report.summary()["extra_over_raw_us"] is None
+    assert PairReport().summary()["extra_over_raw_us"] is None
+
+
 def test_pair_defaults_are_a_real_model_shape() -> None:
     result = _pair("--json")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 import zipfile
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.1.0"
+# The wheel holds the compiled module (nixl_kv._fastpath, from its Cython source): one for this Python and platform.
+PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
+PLATFORM_TAG = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+WHEEL = f"nixl_kv-{VERSION}-{PYTHON_TAG}-{PYTHON_TAG}-{PLATFORM_TAG}.whl"
+COMPILED = f"nixl_kv/_fastpath{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
 def _run(command: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
@@ -48,11 +54,13 @@ def _sources() -> set[str]:
     names = {str(p.relative_to(ROOT)) for p in (ROOT / "nixl_kv").rglob("*.py") if "__pycache__" not in p.parts}
     for folder in ("agents", "formatters"):
         names |= {f"nixl_kv/{folder}/{p.name}" for p in (ROOT / folder).glob("*.py")}
-    return names | {"nixl_kv/py.typed"}
+    return names | {"nixl_kv/py.typed", COMPILED}
 
 
 def _source_of(wheel_name: str) -> str:
     """Where a file of the wheel comes from in the checkout (and the sdist)."""
+    if wheel_name == COMPILED:
+        return "nixl_kv/_fastpath.pyx"
     for folder in ("agents", "formatters"):
         if wheel_name.startswith(f"nixl_kv/{folder}/"):
             return wheel_name.removeprefix("nixl_kv/")
@@ -61,12 +69,12 @@ def _source_of(wheel_name: str) -> str:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The sdist and the wheel built from it; no isolated build environment (setuptools and build come with the
-    test extras), so it works offline."""
+    """The sdist and the wheel built from it; no isolated build environment (setuptools, Cython and build come with
+    the test extras), so it works offline. The wheel's build compiles nixl_kv._fastpath from the sdist's .pyx."""
     out = tmp_path_factory.mktemp("dist")
     _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)], out, 300)
     wheels, sdists = sorted(out.glob("*.whl")), sorted(out.glob("*.tar.gz"))
-    assert [w.name for w in wheels] == [f"nixl_kv-{VERSION}-py3-none-any.whl"], wheels
+    assert [w.name for w in wheels] == [WHEEL], wheels
     assert [s.name for s in sdists] == [f"nixl_kv-{VERSION}.tar.gz"], sdists
     return wheels[0], sdists[0]
 
@@ -115,7 +123,8 @@ def test_the_sdist_holds_what_the_wheel_is_built_from(built: tuple[Path, Path]) 
         needed = {_source_of(n) for n in wheel.namelist() if not n.startswith(f"nixl_kv-{VERSION}.dist-info")}
     assert "agents/nixl_agent.py" in needed and "formatters/standard.py" in needed
     assert not needed - members, sorted(needed - members)
-    assert {"pyproject.toml", "README.md", "PKG-INFO"} <= members
+    assert {"pyproject.toml", "setup.py", "README.md", "PKG-INFO"} <= members
+    assert not [name for name in members if name.endswith((".so", ".c"))]  # built from the .pyx, never shipped built
 
 
 def test_the_wheel_installs_beside_openai_agents(wheel_venv: Path, tmp_path: Path) -> None:
@@ -151,6 +160,8 @@ print(json.dumps({
     "nixl_kv_files": sorted({str(f).split("/")[0] for f in md.distribution("nixl-kv").files}),
     "version": nixl_kv.__version__,
     "py_typed": (Path(nixl_kv.__file__).parent / "py.typed").is_file(),
+    "fastpath": __import__("nixl_kv._fastpath").__file__ and sys.modules["nixl_kv._fastpath"].__file__,
+    "sealed": __import__("nixl_kv.params_seal").params_seal.is_sealed(b"\xcf" + bytes(8)),
     "agent": agent_class("NIXL").__module__,
     "agent_source": available("nixl_kv.agents")["NIXL"][0].source,
 }))
@@ -167,6 +178,7 @@ print(json.dumps({
     assert report["nixl_kv_broken"] == []
     assert report["nixl_kv_files"] == ["..", "nixl_kv", f"nixl_kv-{VERSION}.dist-info"]  # ../../../bin/nixl-kv
     assert report["version"] == VERSION and report["py_typed"]
+    assert report["fastpath"] == str(site / COMPILED) and report["sealed"] is False  # the wheel's compiled module
     assert report["agent"] == "nixl_kv.agents.nixl_agent" and report["agent_source"] == f"nixl-kv {VERSION}"
 
 

@@ -43,6 +43,7 @@ from nixl_kv.topology import head_duplication
 
 WORKER_START_S = 60.0
 RAW_READ_REPEATS = 5
+RAW_REQUEST_READ_REPEATS = 101  # one request's bytes are few: many READs of them, for a p50 to set beside the requests'
 STOPPED_PAST_LEASE_S = 1.0  # --ctx-fault stop: how much longer than the lease the ctx instance stays stopped
 CTX_FAULTS = ("stop", "kill")
 
@@ -189,6 +190,8 @@ class PairReport:
     raw_seconds: list[float] = field(default_factory=list)
     per_block_seconds: list[float] = field(default_factory=list)
     raw_bytes: int = 0
+    raw_request_seconds: list[float] = field(default_factory=list)  # one descriptor of one request's bytes
+    raw_request_bytes: int = 0
     ctx_errors: dict[str, str] = field(default_factory=dict)
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
@@ -215,10 +218,21 @@ class PairReport:
     def leaked(self) -> bool:
         return any(self.leaks.values())
 
+    def steady_results(self) -> list[RequestResult]:
+        """The requests of every round but the first (which pays first contact), or of the only one, that reported
+        complete (they have a latency)."""
+        first_only = all(r.round == 0 for r in self.results)
+        return [r for r in self.results if r.latency_s is not None and (first_only or r.round > 0)]
+
     def steady_latencies_s(self) -> list[float]:
         """Latencies of the requests of every round but the first (which pays first contact), or of the only one."""
-        first_only = all(r.round == 0 for r in self.results)
-        return [r.latency_s for r in self.results if r.latency_s is not None and (first_only or r.round > 0)]
+        return [r.latency_s for r in self.steady_results() if r.latency_s is not None]
+
+    def request_bytes(self) -> int | None:
+        """The bytes every steady request moved, None where they differ (or none has a latency): a raw READ of one
+        request's bytes is like for like only when there is one such size."""
+        sizes = {r.bytes for r in self.steady_results()}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def summary(self) -> dict[str, Any]:
         total_bytes, seconds = sum(self.round_bytes), sum(self.round_seconds)
@@ -228,6 +242,10 @@ class PairReport:
         raw = [self.raw_bytes / s / 1e9 for s in self.raw_seconds if s > 0]
         per_block = [self.raw_bytes / s / 1e9 for s in self.per_block_seconds if s > 0]
         raw_median = statistics.median(raw) if raw else None
+        p50 = 1e6 * percentile(latencies, 0.5) if latencies else None
+        raw_request_us = [1e6 * s for s in self.raw_request_seconds]
+        like_for_like = bool(raw_request_us) and self.raw_request_bytes == self.request_bytes()
+        raw_request_p50 = percentile(raw_request_us, 0.5) if like_for_like else None
         return {
             "requests": len(self.results),
             "verified": self.verified,
@@ -242,8 +260,15 @@ class PairReport:
             "raw_read_gbps_all": raw,
             "per_block_read_gbps": statistics.median(per_block) if per_block else None,
             "ratio_to_raw": statistics.median(steady) / raw_median if steady and raw_median else None,
-            "latency_p50_us": 1e6 * percentile(latencies, 0.5) if latencies else None,
+            "latency_p50_us": p50,
             "latency_p99_us": 1e6 * percentile(latencies, 0.99) if latencies else None,
+            "latency_us_all": [1e6 * s for s in latencies],
+            # the request's cost beyond its READ: p50 latency minus the p50 of a raw one-descriptor READ of the same
+            # bytes in the same run; None where the steady requests differ in size (no like-for-like READ)
+            "raw_request_bytes": self.raw_request_bytes,
+            "raw_request_read_us_all": raw_request_us,
+            "raw_request_read_p50_us": raw_request_p50,
+            "extra_over_raw_us": p50 - raw_request_p50 if p50 is not None and raw_request_p50 is not None else None,
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
@@ -450,7 +475,8 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             return report
         say(f"measuring a raw {report.backend} READ of the same bytes")
         block_bytes = options.model.kv_bytes_per_token * ctx_spec.tokens_per_block
-        _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s)
+        request_bytes = report.request_bytes() or 0
+        _measure_raw(ctx, gen, max(report.round_bytes), block_bytes, report, options.step_timeout_s, request_bytes)
     finally:
         for worker in (ctx, gen):
             worker.quit()
@@ -504,11 +530,22 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
     say(f"round {round_index + 1}/{options.rounds}: {verified}/{count} verified in {received['seconds'] * 1e3:.1f} ms")
 
 
-def _measure_raw(ctx: Worker, gen: Worker, nbytes: int, block_bytes: int, report: PairReport, timeout_s: float) -> None:
-    """In the same run: one READ of the same bytes as one descriptor, and a naive loop of one READ per block."""
+def _measure_raw(
+    ctx: Worker,
+    gen: Worker,
+    nbytes: int,
+    block_bytes: int,
+    report: PairReport,
+    timeout_s: float,
+    request_bytes: int = 0,
+) -> None:
+    """In the same run: one READ of the same bytes as one descriptor, and a naive loop of one READ per block; with
+    ``request_bytes`` (the one size of the steady requests), one descriptor of one request's bytes, many times."""
+    request_bytes = request_bytes if 0 < request_bytes <= nbytes else 0
+    request_repeats = RAW_REQUEST_READ_REPEATS if request_bytes else 0
     ctx.send(op="baseline_source", nbytes=nbytes)
     source = ctx.expect("baseline_source", timeout_s)
-    ctx.send(op="baseline_serve", repeats=2 * RAW_READ_REPEATS)
+    ctx.send(op="baseline_serve", repeats=2 * RAW_READ_REPEATS + request_repeats)
     gen.send(
         op="baseline_read",
         metadata=source["metadata"],
@@ -516,11 +553,14 @@ def _measure_raw(ctx: Worker, gen: Worker, nbytes: int, block_bytes: int, report
         row=source["row"],
         repeats=RAW_READ_REPEATS,
         block_bytes=block_bytes,
+        request_bytes=request_bytes,
+        request_repeats=request_repeats,
     )
     result = gen.expect("baseline_result", timeout_s)
     ctx.expect("baseline_served", timeout_s)
     report.raw_seconds, report.per_block_seconds = result["seconds"], result["per_block_seconds"]
     report.raw_bytes = result["nbytes"]
+    report.raw_request_seconds, report.raw_request_bytes = result["request_seconds"], result["request_nbytes"]
 
 
 def format_table(report: PairReport) -> str:
@@ -550,6 +590,13 @@ def format_table(report: PairReport) -> str:
             f"latency (gen side, request to reported complete, {rounds}): p50 {s['latency_p50_us']:.0f} µs, "
             f"p99 {s['latency_p99_us']:.0f} µs; first round {s['first_round_ms']:.1f} ms"
         )
+    if s["extra_over_raw_us"] is not None:
+        lines.append(
+            f"over its READ: p50 {s['extra_over_raw_us']:.0f} µs more than a raw {report.backend} READ of one "
+            f"request's {s['raw_request_bytes']} bytes as one descriptor (p50 {s['raw_request_read_p50_us']:.0f} µs)"
+        )
+    elif s["latency_p50_us"] is not None and s["raw_read_gbps"] is not None:
+        lines.append("over its READ: not measured (the requests differ in size: no raw READ of the same bytes)")
     if s["ctx_errors"]:
         lines.append(f"ctx side errors: {s['ctx_errors']}")
     if report.leaked:

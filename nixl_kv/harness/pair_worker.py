@@ -555,15 +555,36 @@ class RawReadBaseline:
             seen += len(self.agent.poll_notifications())
         emit(op="baseline_served", reads=seen)
 
-    def read(self, metadata: str, name: str, row: list[int], repeats: int, block_bytes: int) -> None:
-        """The same bytes as one descriptor (the ceiling) and as a naive loop of one READ per block."""
+    def read(
+        self,
+        metadata: str,
+        name: str,
+        row: list[int],
+        repeats: int,
+        block_bytes: int,
+        request_bytes: int = 0,
+        request_repeats: int = 0,
+    ) -> None:
+        """The same bytes as one descriptor (the ceiling) and as a naive loop of one READ per block; then, where
+        ``request_bytes`` is given, one descriptor of one request's bytes (the first of the source), ``request_repeats``
+        times: the per-request latency is compared with that."""
         self.agent.load_remote(base64.b64decode(metadata), name)
         count = max(1, min(row[1] // max(block_bytes, 1), MAX_NAIVE_BLOCKS))
         size = row[1] // count
         one = self._timed(name, row, self.row, 1, size * count, repeats)
         per_block = self._timed(name, row, self.row, count, size, repeats)
+        request = []
+        if 0 < request_bytes <= row[1] and request_repeats:
+            request = self._timed(name, row, self.row, 1, request_bytes, request_repeats)
         self.agent.forget_remote(name)
-        emit(op="baseline_result", seconds=one, per_block_seconds=per_block, nbytes=size * count)
+        emit(
+            op="baseline_result",
+            seconds=one,
+            per_block_seconds=per_block,
+            nbytes=size * count,
+            request_seconds=request,
+            request_nbytes=request_bytes if request else 0,
+        )
 
     def _timed(self, peer: str, remote_row: list[int], local_row: tuple, count: int, size: int, repeats: int):
         """Seconds of each repeat: ``count`` READs of ``size`` bytes, each posted after the last one ended."""
@@ -645,7 +666,13 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
             elif lead and op == "baseline_read":
                 baseline = RawReadBaseline(role, command["row"][1], spec.memory, instance.device_id, spec.backend)
                 baseline.read(
-                    command["metadata"], command["name"], command["row"], command["repeats"], command["block_bytes"]
+                    command["metadata"],
+                    command["name"],
+                    command["row"],
+                    command["repeats"],
+                    command["block_bytes"],
+                    command.get("request_bytes", 0),
+                    command.get("request_repeats", 0),
                 )
             elif op == "quit":
                 break
