@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from nixl_kv import wire
-from nixl_kv.auth import prove, proves
 from nixl_kv.buffers import CacheTransBufferManager, StagingSlot
 from nixl_kv.cache import CacheManager
+from nixl_kv.control import Control
 from nixl_kv.direct_pull import DirectPull, Step, direct_eligible
 from nixl_kv.errors import (
     AgentError,
@@ -201,6 +201,7 @@ class CacheReceiver:
         self._staging = staging
         self._max_peers = max_peers
         self._views = pool_views(cache.layout)
+        self._control = Control(loop.agent, self._metrics, "gen")
         self._plans = PlanCache(self._plan_from_scratch)
         self._lock = threading.Lock()
         self._active: dict[RequestKey, _Incoming] = {}
@@ -355,21 +356,18 @@ class CacheReceiver:
         holders = [
             ctx_state.comm.ranks[rank] for rank in range(ctx.world_size) if holds_request(ctx, rank, params.ctx_dp_rank)
         ]
-        message = wire.encode(
-            prove(
-                ReadDone(
-                    ctx_instance_id=ctx_state.instance_id,
-                    request_id=params.request_id,
-                    transfer_id=0,
-                    reader_metadata=self._metadata,
-                    expected_readers=1,
-                    final=True,
-                    failed=True,
-                    reason=f"a gen rank cannot read the request: {reason}"[:512],
-                ),
-                params.secret,
-                self._loop.agent.name,
-            )
+        message = self._control.encode(
+            ReadDone(
+                ctx_instance_id=ctx_state.instance_id,
+                request_id=params.request_id,
+                transfer_id=0,
+                reader_metadata=self._metadata,
+                expected_readers=1,
+                final=True,
+                failed=True,
+                reason=f"a gen rank cannot read the request: {reason}"[:512],
+            ),
+            params.secret,
         )
 
         for rank in holders[:MAX_RELEASE_NOTICES]:  # (best effort: the ctx lease still ends the request)
@@ -500,10 +498,7 @@ class CacheReceiver:
         """Step 1: the READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
         if pull.read.expected_readers == 0:
             self._peers.connect(pull.rank)
-            message = prove(
-                NoReaders(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
-            )
-            self._loop.agent.notify(pull.rank.agent_name, wire.encode(message))
+            self._control.send(pull.rank.agent_name, NoReaders(*incoming.key, self._metadata), incoming.secret)
             pull.step = Step.DONE
             return
         read, agent = pull.read, self._loop.agent
@@ -1068,10 +1063,7 @@ class CacheReceiver:
         if not peer.watching:
             peer.started = True
             self._peers.connect(peer.rank)
-            watch = prove(
-                LayerWatch(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
-            )
-            self._loop.agent.notify(peer.rank.agent_name, wire.encode(watch))
+            self._control.send(peer.rank.agent_name, LayerWatch(*incoming.key, self._metadata), incoming.secret)
             peer.watching = True
             return False
         upper = min(peer.ready_below, peer.full.layers.stop)
@@ -1089,10 +1081,7 @@ class CacheReceiver:
         peer.started = True
         if peer.full.expected_readers == 0:
             self._peers.connect(peer.rank)
-            message = prove(
-                NoReaders(incoming.key[0], incoming.key[1], self._metadata), incoming.secret, self._loop.agent.name
-            )
-            self._loop.agent.notify(peer.rank.agent_name, wire.encode(message))
+            self._control.send(peer.rank.agent_name, NoReaders(*incoming.key, self._metadata), incoming.secret)
             peer.done = True
             return
         transfer = _Transfer(next(self._transfer_ids))
@@ -1147,8 +1136,7 @@ class CacheReceiver:
                 heads=(box.heads.start, box.heads.stop),
                 blocks=(box.blocks.start, box.blocks.stop),
             )
-            claim = prove(claim, incoming.secret, self._loop.agent.name)
-            self._loop.agent.notify(peer.rank.agent_name, wire.encode(claim))
+            self._control.send(peer.rank.agent_name, claim, incoming.secret)
         peer.current = transfer
         self._by_transfer[transfer.transfer_id] = (incoming, peer)
 
@@ -1226,7 +1214,7 @@ class CacheReceiver:
             checks_hold=checks_hold,
             hold_token=hold_token,
         )
-        return wire.encode(prove(done, secret, self._loop.agent.name))
+        return self._control.encode(done, secret)
 
     def _busy_agents(self) -> set[str]:
         """The peers an active request reads or will read from, and those of READs still in progress (never
@@ -1285,13 +1273,7 @@ class CacheReceiver:
         return peer.current
 
     def _forged(self, incoming: _Incoming, message: Any, sender: str) -> bool:
-        """A ctx message whose proof is not the request's secret: dropped and counted (an agent may take any name,
-        so the name is no proof)."""
-        if proves(message, incoming.secret, sender):
-            return False
-        self._metrics.add("gen", forged_messages=1)
-        log.debug("dropped a %s for request %s from %s: wrong proof", type(message).__name__, incoming.key, sender)
-        return True
+        return self._control.forged(message, incoming.secret, sender)
 
     def _cancel(self, request_id: int) -> bool:
         with self._lock:

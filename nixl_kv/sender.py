@@ -23,10 +23,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from nixl_kv import wire
-from nixl_kv.auth import prove, proves, request_secret
+from nixl_kv.auth import request_secret
 from nixl_kv.buffers import CacheTransBufferManager, SlotState, StagingSlot
 from nixl_kv.cache import CacheManager
+from nixl_kv.control import Control
 from nixl_kv.errors import AgentError, BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.holds import HoldBoard, hold_token, promise_mask
 from nixl_kv.interfaces import Box, Formatter
@@ -107,6 +107,7 @@ class CacheSender:
         self._formatter = formatter
         self._staging = staging
         self._views = pool_views(cache.layout)
+        self._control = Control(loop.agent, self._metrics, "ctx")
         self._lock = threading.Lock()
         self._outgoing: dict[int, _Outgoing] = {}
         self._granted: dict[tuple[str, int], tuple[int, StagingSlot]] = {}  # (reader, transfer) -> (request, slot)
@@ -209,21 +210,11 @@ class CacheSender:
         """A message that does not prove it knows its request's secret (or names another instance): dropped and
         counted before anything else is done for it. Nothing is loaded for it and nothing answered: one malformed
         metadata blob aborts the whole process inside UCX (an address-version assertion, found by scripts/fuzz.sh)."""
-        if message.ctx_instance_id == self._context.instance_id and proves(
-            message, self._secret(message.request_id), reader
-        ):
-            return False
-        self._metrics.add("ctx", forged_messages=1)
-        kind = type(message).__name__
-        log.debug("dropped a %s for request %d from %s: wrong proof", kind, message.request_id, reader)
-        return True
+        ours = message.ctx_instance_id == self._context.instance_id
+        return self._control.forged(message, self._secret(message.request_id) if ours else b"", reader)
 
     def _secret(self, request_id: int) -> bytes:
         return request_secret(self._context.auth_key, request_id)
-
-    def _signed(self, message: Answer) -> Answer:
-        """An answer to a reader, with its proof (the reader checks it under the request's secret)."""
-        return prove(message, self._secret(message.request_id), self._loop.agent.name)
 
     def _parked_early(self, reader: str, message: Any, handler: Callable[[str, Any], None]) -> bool:
         """Park a (proven) message for a request this rank has not registered yet."""
@@ -263,8 +254,7 @@ class CacheSender:
             return
         if self._parked_early(reader, claim, self._on_stage_claim):
             return
-        grant = self._signed(self._grant(reader, claim))
-        if failure := self._tell(reader, wire.encode(grant)):
+        if failure := self._tell(reader, self._grant(reader, claim)):
             log.warning("could not answer the stage claim of %s for request %d: %s", reader, claim.request_id, failure)
             self._free_slot(reader, claim.transfer_id, claim.request_id)
 
@@ -321,9 +311,9 @@ class CacheSender:
         self._announce(entry, [reader])
 
     def _announce(self, entry: _Outgoing, readers: list[str]) -> None:
-        ready = self._signed(LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry)))
+        ready = LayersReady(self._context.instance_id, entry.request.request_id, self._ready_below(entry))
         for reader in readers:
-            if failure := self._tell(reader, wire.encode(ready)):
+            if failure := self._tell(reader, ready):
                 log.warning("could not tell %s about ready layers of request %d: %s", reader, ready.request_id, failure)
 
     def _ready_below(self, entry: _Outgoing) -> int:
@@ -358,23 +348,18 @@ class CacheSender:
         refusal = self._record(reader, message, mismatch)
         if ours and message.checks_hold and entry.posted and not wrong and not message.failed:
             return  # the reader saw the hold on the board after its READ: it needs no verdict
-        verdict = self._signed(
-            ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
-        )
-        if failure := self._tell(reader, wire.encode(verdict)):
+        verdict = ReadVerdict(self._context.instance_id, message.request_id, message.transfer_id, not refusal, refusal)
+        if failure := self._tell(reader, verdict):
             log.warning("could not answer reader %s of request %d: %s", reader, message.request_id, failure)
 
-    def _tell(self, reader: str, message: bytes) -> str:
-        """Notify a reader; "" or why it failed. A failed send forgets the reader (its connection may have broken,
-        as the transport ends one to a host that stopped answering): the next message it sends carries its metadata,
-        and loads it again."""
-        try:
-            self._loop.agent.notify(reader, message)
-        except AgentError as exc:
-            if reader in self._known_readers:
-                self._forget_reader(reader)
-            return str(exc)
-        return ""
+    def _tell(self, reader: str, answer: Answer) -> str:
+        """Answer a reader, proven under the request's secret; "" or why it failed. A failed send forgets the reader
+        (its connection may have broken, as the transport ends one to a host that stopped answering): the next
+        message it sends carries its metadata, and loads it again."""
+        failure = self._control.tell(reader, answer, self._secret(answer.request_id))
+        if failure and reader in self._known_readers:
+            self._forget_reader(reader)
+        return failure
 
     def _free_slot(self, reader: str, transfer_id: int, request_id: int) -> None:
         found = self._granted.get((reader, transfer_id))
