@@ -24,6 +24,7 @@ from nixl_kv.holds import (
 )
 from nixl_kv.layout import LayoutKind
 from nixl_kv.params_seal import encode_params
+from nixl_kv.protocol import StageClaim
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
 from tests.conftest import Pair
@@ -299,7 +300,7 @@ def test_gathered_pieces_need_no_ctx_packing(pair_factory, slots_free: bool) -> 
     first, the pull waits for one, then completes."""
     pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD, gen_config={"max_tokens_in_buffer": 32})
     claims = []
-    pair.ctx.transceiver._sender._on_stage_claim = lambda reader, claim: claims.append(claim)
+    pair.ctx.transceiver._loop.on_message(StageClaim, lambda reader, claim: claims.append(claim))
     verdicts = _verdicts(pair)
     staging = pair.gen.transceiver._staging
     held = [] if slots_free else [staging.acquire(("test", i), float("inf"), 1) for i in range(len(staging.slots))]

@@ -181,9 +181,9 @@ def _wait_for(condition, timeout_s: float = 5.0, progress=lambda: None) -> bool:
 def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory, monkeypatch) -> None:  # noqa: ANN001
     """A dead or departed peer is unloaded once idle (it once stayed until another peer connected), on the gen
     side (its ctx agents and their lists) and the ctx side (its readers); a later request loads them again."""
-    from nixl_kv import sender
+    from nixl_kv.ctx import readers
 
-    monkeypatch.setattr(sender, "PEER_IDLE_S", 0.2)
+    monkeypatch.setattr(readers, "PEER_IDLE_S", 0.2)
     pair = pair_factory()
     pair.gen.transceiver._receiver._peers._idle_s = 0.2
     gen_agent, ctx_agent = pair.gen.transceiver._agent, pair.ctx.transceiver._agent
@@ -425,13 +425,15 @@ def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory
     even with the request's secret, a peer cannot make that wait grow without bound."""
     from nixl_kv.agents.nixl_agent import NixlAgent
     from nixl_kv.auth import request_secret
+    from nixl_kv.ctx.table import MAX_PARKED_PER_REQUEST
     from nixl_kv.protocol import LayerWatch
-    from nixl_kv.sender import MAX_PARKED_PER_REQUEST
 
     pair = pair_factory()
-    sender = pair.ctx.transceiver._sender
+    table = pair.ctx.transceiver._sender._table
     ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
-    secret = request_secret(sender._context.auth_key, 77)  # a request this rank will respond to later
+    secret = request_secret(
+        pair.ctx.transceiver._sender._context.auth_key, 77
+    )  # a request this rank will respond to later
     peer = NixlAgent("eager-peer")
     try:
         peer.load_remote(ctx_agent.metadata(), ctx_agent.name)
@@ -439,9 +441,9 @@ def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory
         sent = MAX_PARKED_PER_REQUEST + 44
         for _ in range(sent):
             peer.notify(ctx_agent.name, watch)
-        arrived = lambda: len(sender._parked.get(77, ())) == MAX_PARKED_PER_REQUEST  # noqa: E731
-        assert _wait_for(arrived, progress=peer.poll_notifications), len(sender._parked.get(77, ()))
+        arrived = lambda: len(table.parked.get(77, ())) == MAX_PARKED_PER_REQUEST  # noqa: E731
+        assert _wait_for(arrived, progress=peer.poll_notifications), len(table.parked.get(77, ()))
         time.sleep(0.2)  # the rest arrived too, and were dropped
-        assert len(sender._parked[77]) == MAX_PARKED_PER_REQUEST
+        assert len(table.parked[77]) == MAX_PARKED_PER_REQUEST
     finally:
         peer.close()
