@@ -302,9 +302,9 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
     request = pair.gen_request(5, ctx_request)
     pair.gen.transceiver.request_and_receive_async(request)
     receiver = pair.gen.transceiver._receiver
-    waiting = lambda: [p for _, p in receiver._direct_by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
+    waiting = lambda: [p for _, p in receiver._direct.by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
     assert _wait_for(lambda: len(waiting()) == 1)
-    (transfer_id,) = receiver._direct_by_transfer
+    (transfer_id,) = receiver._direct.by_transfer
     impostor = NixlAgent(ctx_agent.name)
     try:
         impostor.load_remote(gen_agent.metadata(), gen_agent.name)
@@ -314,7 +314,9 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
         impostor.notify(gen_agent.name, wire.encode(verdict))
         forged = lambda: pair.gen.transceiver.metrics.snapshot()["gen"]["forged_messages"]  # noqa: E731
         assert _wait_for(
-            lambda: forged() == 1 or request.request_id not in receiver._by_request, 5, impostor.poll_notifications
+            lambda: forged() == 1 or request.request_id not in receiver._requests.by_request,
+            5,
+            impostor.poll_notifications,
         )
         state = _poll(pair, request, timeout_s=5)
         if proof == "none":

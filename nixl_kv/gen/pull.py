@@ -1,4 +1,6 @@
-"""The fast path of the gen side: a request whose every part is read directly, posted and finished on the thread
+"""The per-peer pulls of the gen side, and the one step enum they move through.
+
+The fast path: a request whose every part is read directly, posted and finished on the thread
 that asked for it, and checked on the ctx rank's hold board instead of by a verdict round trip.
 
 A pull whose peer is not loaded yet (first contact, or a peer being closed) waits first (CONNECT) while the peer
@@ -25,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from nixl_kv.buffers import StagingSlot
 from nixl_kv.holds import BOARD_SLOTS, board_slots, window_start
 from nixl_kv.interfaces import PeerRead
+from nixl_kv.protocol import StageGrant
 from nixl_kv.state import RankCommInfo
 
 
@@ -71,6 +75,65 @@ class DirectPull:
     @property
     def board_index(self) -> np.ndarray:
         return np.array([window_start(self.token, board_slots(self.rank.board))], dtype=np.int32)
+
+
+@dataclass
+class Transfer:
+    """One READ (direct, or of one staged piece) and the ctx peer's answers about it."""
+
+    transfer_id: int
+    handle: Any = None
+    grant: StageGrant | None = None
+    posted_at: float = 0.0
+    posts_before: int = 0  # the receiver's READ count when this one was posted
+    nbytes: int = 0  # > 0 when this READ measures the transport: a long run, alone in flight, peer warmed up
+    finished: bool = False
+    verdict: str | None = None  # None until the ctx peer answers; "" means ok
+
+
+@dataclass
+class SteppedPull:
+    """Everything this gen rank takes from one ctx rank, advanced step by step by the progress loop.
+
+    ``plan`` is the step being read: the whole slice, or for layer-wise requests the layers that were ready
+    when it was planned (``planned_below`` tracks how far the steps reach, ``ready_below`` what the peer
+    announced)."""
+
+    full: PeerRead
+    rank: RankCommInfo
+    plan: PeerRead | None = None
+    next_piece: int = 0
+    kv_left: bool = True  # the KV part is still to be read; ``full.state`` is read after it
+    current: Transfer | None = None
+    slot: StagingSlot | None = None
+    retry_at: float = 0.0
+    done: bool = False
+    layerwise: bool = False
+    watching: bool = False
+    started: bool = False  # something was posted to the peer (a READ, a claim, a watch, a notice)
+    ready_below: int = 0
+    planned_below: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_left = self.full.has_kv
+        if self.layerwise:
+            self.planned_below = self.full.layers.start
+        elif self.kv_left:
+            self.plan = self.full
+
+    @property
+    def reading_piece(self) -> bool:
+        """The step in progress reads a staged piece."""
+        return self.kv_left and self.plan is not None and self.plan.staged
+
+    @property
+    def final_kv_read(self) -> bool:
+        """The KV READ about to be posted is the last READ from this peer (no state follows)."""
+        return self.last_step and self.full.state is None
+
+    @property
+    def last_step(self) -> bool:
+        return not self.layerwise or self.planned_below >= self.full.layers.stop
 
 
 def direct_eligible(plan: list[PeerRead], ranks: tuple[RankCommInfo, ...], layerwise: bool) -> bool:
