@@ -24,7 +24,6 @@ from nixl_kv.gen.admit import Admit
 from nixl_kv.gen.direct import MAX_SPIN_S, SPIN_GBPS, DirectPulls
 from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.prove import Prove
-from nixl_kv.gen.pull import Step
 from nixl_kv.gen.reads import Reads
 from nixl_kv.gen.side import GenSide, Incoming, Requests
 from nixl_kv.gen.stepped import SteppedPulls
@@ -38,8 +37,6 @@ from nixl_kv.requests import TransferRequest
 from nixl_kv.state import DataTransceiverState
 from nixl_kv.stuck import StuckReads
 from nixl_kv.views import pool_views
-
-_NOT_ENGAGED = (Step.CONNECT, Step.DONE)
 
 
 class CacheReceiver:
@@ -115,7 +112,7 @@ class CacheReceiver:
             request.transfer_end = time.monotonic()
             future.set_exception(exc)
             return future
-        if incoming.direct is not None:
+        if incoming.fast:
             self._direct.start(incoming)  # on this thread: no hop into the loop thread before the READ is posted
         else:
             self._loop.wake()
@@ -184,8 +181,7 @@ class CacheReceiver:
         forgotten meanwhile: forgetting a NIXL peer would make their status lie)."""
         names = self._stuck.peers()
         for incoming in self._requests.all():
-            names.update(p.rank.agent_name for p in incoming.peers)
-            names.update(p.rank.agent_name for p in incoming.direct or ())
+            names.update(p.rank.agent_name for p in incoming.pulls)
         return names
 
     def _engaged_agents(self) -> set[str]:
@@ -193,8 +189,7 @@ class CacheReceiver:
         a peer held back is closed only once it is none of them."""
         names = set()
         for incoming in self._requests.all():
-            names.update(p.rank.agent_name for p in incoming.peers if p.started and not p.done)
-            names.update(p.rank.agent_name for p in incoming.direct or () if p.step not in _NOT_ENGAGED)
+            names.update(p.rank.agent_name for p in incoming.pulls if p.engaged)
         return names
 
     def _cancel(self, request_id: int) -> bool:
@@ -205,7 +200,7 @@ class CacheReceiver:
         return True
 
     def _fail(self, incoming: Incoming, reason: str) -> None:
-        if incoming.direct is not None:
+        if incoming.fast:
             self._direct.fail(incoming, reason)
         else:
             self._stepped.fail(incoming, reason)

@@ -1,4 +1,4 @@
-"""The direct pulls (the fast path, ``nixl_kv.gen.pull``): posted on the caller's thread, advanced by whoever polls.
+"""The fast path of a ``nixl_kv.gen.pull.Pull``: posted on the caller's thread, advanced by whoever polls.
 
 Status checks call ``progress``, so a request completes on the caller's thread; the progress loop polls only the
 pulls no caller polls (``tick``). Every pull is polled from a ``PollQueue`` (soonest due first, a bounded batch per
@@ -19,7 +19,7 @@ from nixl_kv.errors import BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.gen import finish, gather
 from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.prove import Prove
-from nixl_kv.gen.pull import DirectPull, Step
+from nixl_kv.gen.pull import Pull, Step
 from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, too_late_to_start
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.interfaces import PeerRead, TransferStatus
@@ -49,8 +49,8 @@ class DirectPulls:
         self._reads = reads
         self._prove = prove
         self.lock = threading.RLock()  # the direct pulls: the caller's thread or the loop thread
-        self._queue: PollQueue[Unit, tuple[Incoming, DirectPull]] = PollQueue()
-        self.by_transfer: dict[int, tuple[Incoming, DirectPull]] = {}  # pulls that may get a verdict
+        self._queue: PollQueue[Unit, tuple[Incoming, Pull]] = PollQueue()
+        self.by_transfer: dict[int, tuple[Incoming, Pull]] = {}  # pulls that may get a verdict
         self._deadlines: list[tuple[float, RequestKey]] = []
         self._connecting: dict[str, set[Unit]] = {}  # peer -> direct pulls waiting for it
         self._changed_peers: collections.deque[str] = collections.deque()  # from the peer directory's thread
@@ -65,17 +65,17 @@ class DirectPulls:
             if incoming.future.done():  # cancelled or closed between admit and here: nothing may be posted
                 return
             try:
-                for pull in incoming.direct:
+                for pull in incoming.pulls:
                     self._post_when_ready(incoming, pull)
             except Exception as exc:  # noqa: BLE001 - any failure must end the request, here or in the loop
                 self.fail(incoming, f"{type(exc).__name__}: {exc}")
                 return
-            if all(pull.step is Step.DONE for pull in incoming.direct):
+            if all(pull.step is Step.DONE for pull in incoming.pulls):
                 finish.end(self._side, incoming, None)
                 return
             heapq.heappush(self._deadlines, (incoming.deadline, incoming.key))
 
-    def _post_when_ready(self, incoming: Incoming, pull: DirectPull) -> None:
+    def _post_when_ready(self, incoming: Incoming, pull: Pull) -> None:
         """Post now if the peer is ready (loaded, its lists prepared); else wait for it (CONNECT) while the peer
         directory loads it off this thread: a peer that is slow to load must not hold up requests to live peers."""
         if self._side.peers.ready(pull.rank, self._lists(pull.read)):
@@ -97,7 +97,7 @@ class DirectPulls:
             for unit in self._connecting.get(self._changed_peers.popleft(), ()):
                 self._queue.hurry(unit, now)
 
-    def _stop_connecting(self, unit: Unit, pull: DirectPull) -> None:
+    def _stop_connecting(self, unit: Unit, pull: Pull) -> None:
         waiting = self._connecting.get(pull.rank.agent_name)
         if waiting is not None:
             waiting.discard(unit)
@@ -112,7 +112,7 @@ class DirectPulls:
             return ()
         return (kv_list(read.coarse), BOARD) if read.local_indices is not None else (BOARD,)
 
-    def _post(self, incoming: Incoming, pull: DirectPull) -> None:
+    def _post(self, incoming: Incoming, pull: Pull) -> None:
         """READ, or for a ctx rank no gen rank needs, the NoReaders notice."""
         side, read, reads = self._side, pull.read, self._reads
         if read.expected_readers == 0:
@@ -143,17 +143,17 @@ class DirectPulls:
         long_runs = read.coarse or (
             read.state is not None and read.state.nbytes >= LONG_RUN_BYTES * len(read.state.local_rows)
         )
-        pull.timed_bytes = reads.measurable(pull.rank.agent_name, pull.nbytes, long_runs and len(incoming.direct) == 1)
+        pull.timed_bytes = reads.measurable(pull.rank.agent_name, pull.nbytes, long_runs and len(incoming.pulls) == 1)
         pull.posted_at, pull.posts_before = time.monotonic(), reads.posts
         self._poll(incoming, pull, pull.nbytes)
 
-    def _poll(self, incoming: Incoming, pull: DirectPull, nbytes: int = 0) -> None:
+    def _poll(self, incoming: Incoming, pull: Pull, nbytes: int = 0) -> None:
         """Poll the pull's step from now on, expected to move ``nbytes`` at the spin rate."""
         expected_s = nbytes / (self._side.spin_gbps * 1e9)
         self._queue.put((incoming.key, pull.read.peer_rank), (incoming, pull), time.monotonic(), expected_s)
 
     # --- gathered pieces --------------------------------------------------------------------------------
-    def _post_piece(self, incoming: Incoming, pull: DirectPull) -> None:
+    def _post_piece(self, incoming: Incoming, pull: Pull) -> None:
         """A gathered READ of the next piece into our staging slot; without a free slot, wait for one (SLOT)."""
         self._poll(incoming, pull)
         if pull.slot is None:
@@ -190,7 +190,7 @@ class DirectPulls:
         finally:
             self.lock.release()
 
-    def _visit(self, unit: Unit, item: tuple[Incoming, DirectPull]) -> None:
+    def _visit(self, unit: Unit, item: tuple[Incoming, Pull]) -> None:
         incoming, pull = item
         if incoming.future.done():
             self._queue.pop(unit)
@@ -232,7 +232,7 @@ class DirectPulls:
             neglected = self._queue.next_due() <= time.monotonic() + IDLE_WAIT_S  # else: sleep till due
         return self._expire(now) or neglected
 
-    def _advance(self, unit: Unit, incoming: Incoming, pull: DirectPull) -> None:
+    def _advance(self, unit: Unit, incoming: Incoming, pull: Pull) -> None:
         if pull.step is Step.CONNECT:
             self._connect(unit, incoming, pull)
             return
@@ -284,7 +284,7 @@ class DirectPulls:
         else:
             self.await_verdict(incoming, pull)
 
-    def _connect(self, unit: Unit, incoming: Incoming, pull: DirectPull) -> None:
+    def _connect(self, unit: Unit, incoming: Incoming, pull: Pull) -> None:
         """The peer directory loaded the peer (post now), failed to (end the request), or is still at it."""
         peers = self._side.peers
         if reason := peers.failure(pull.rank.agent_name, pull.waiting_since):
@@ -298,27 +298,27 @@ class DirectPulls:
         self._queue.pop(unit)
         pull.step = Step.READ
         self._post(incoming, pull)
-        if all(p.step is Step.DONE for p in incoming.direct):  # (it only told the peer it has no reader)
+        if all(p.step is Step.DONE for p in incoming.pulls):  # (it only told the peer it has no reader)
             self._ended += 1
             finish.end(self._side, incoming, None)
 
-    def await_verdict(self, incoming: Incoming, pull: DirectPull) -> None:
+    def await_verdict(self, incoming: Incoming, pull: Pull) -> None:
         """Rare: the hold was not on the board; the peer answers the ReadDone with a verdict."""
         pull.step = Step.VERDICT
         if pull.verdict is not None:
             self._take_verdict(incoming, pull)
 
-    def _take_verdict(self, incoming: Incoming, pull: DirectPull) -> None:
+    def _take_verdict(self, incoming: Incoming, pull: Pull) -> None:
         self.by_transfer.pop(pull.transfer_id, None)
         if pull.verdict:
             self.fail(incoming, f"ctx side refused: {pull.rank.agent_name}: {pull.verdict}")
         else:
             self._done(incoming, pull)
 
-    def _done(self, incoming: Incoming, pull: DirectPull) -> None:
+    def _done(self, incoming: Incoming, pull: Pull) -> None:
         pull.step = Step.DONE
         self.by_transfer.pop(pull.transfer_id, None)
-        if all(p.step is Step.DONE for p in incoming.direct):
+        if all(p.step is Step.DONE for p in incoming.pulls):
             request = incoming.request
             elapsed = time.monotonic() - request.transfer_start
             fixed = max(0.0, elapsed - request.transfer_bytes / (self._side.spin_gbps * 1e9))
@@ -356,9 +356,9 @@ class DirectPulls:
                     return False
                 _, key = heapq.heappop(self._deadlines)
                 incoming = self._side.requests.get(key)
-                if incoming is not None and incoming.direct is not None and not incoming.future.done():
+                if incoming is not None and incoming.fast and not incoming.future.done():
                     waiting = [
-                        f"{p.rank.agent_name} ({p.step.value})" for p in incoming.direct if p.step is not Step.DONE
+                        f"{p.rank.agent_name} ({p.step.value})" for p in incoming.pulls if p.step is not Step.DONE
                     ]
                     self.fail(incoming, f"deadline passed waiting for {', '.join(waiting)}")
             return bool(self._deadlines) and self._deadlines[0][0] <= now
@@ -369,7 +369,7 @@ class DirectPulls:
         with self.lock:
             if incoming.future.done():
                 return
-            for pull in incoming.direct:
+            for pull in incoming.pulls:
                 self._queue.pop((incoming.key, pull.read.peer_rank))
                 if pull.step is Step.CONNECT:
                     self._stop_connecting((incoming.key, pull.read.peer_rank), pull)

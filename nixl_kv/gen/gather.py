@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from nixl_kv.errors import TransferError
-from nixl_kv.gen.pull import DirectPull
+from nixl_kv.gen.pull import Pull
 from nixl_kv.gen.reads import Reads
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.memory import on_device
 from nixl_kv.ranges import coalesce
 
 
-def read_piece(side: GenSide, reads: Reads, incoming: Incoming, pull: DirectPull) -> int:
+def read_piece(side: GenSide, reads: Reads, incoming: Incoming, pull: Pull) -> int:
     """Post the READ of the pull's current piece into its slot; returns its bytes."""
     box = pull.read.pieces[pull.piece]
     ctx = incoming.ctx_state
@@ -42,7 +42,7 @@ def read_piece(side: GenSide, reads: Reads, incoming: Incoming, pull: DirectPull
     return nbytes
 
 
-def unpack_piece(side: GenSide, blocks: np.ndarray, incoming: Incoming, pull: DirectPull) -> None:
+def unpack_piece(side: GenSide, blocks: np.ndarray, incoming: Incoming, pull: Pull) -> None:
     """The piece's whole ctx segments ``[block, layer, kv, head, token, dim]`` into our pools (one kernel on a
     GPU), done before the slot is reused; ``blocks``: the request's blocks here."""
     box, layout = pull.read.pieces[pull.piece], pull.rank.layout

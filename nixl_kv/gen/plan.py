@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from nixl_kv.errors import NotSupportedError, TransferError
-from nixl_kv.gen.pull import DirectPull, SteppedPull, direct_eligible
+from nixl_kv.gen.pull import Pull, Step, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.holds import hold_token, promise_mask, unmask_promise
 from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
@@ -59,14 +59,15 @@ class Planner:
         return read_request, self._plans.plan(read_request, num_blocks)
 
     def pulls(self, incoming: Incoming, plan: list[PeerRead], params: ContextPhaseParams) -> None:
-        """The request's per-peer pulls: direct ones where every part can be (``direct_eligible``), else stepped."""
+        """The request's per-peer pulls: fast ones where every part can be (``direct_eligible``), else stepped."""
         ctx_state, layerwise = incoming.ctx_state, params.layerwise
         ranks = ctx_state.comm.ranks
         if ctx_state.hold_key and self._side.landing is not None and direct_eligible(plan, ranks, layerwise):
-            incoming.direct = [self._direct_pull(read, params, ctx_state) for read in plan]
+            incoming.fast = True
+            incoming.pulls = [self._direct_pull(read, params, ctx_state) for read in plan]
             return
-        incoming.peers = [
-            SteppedPull(
+        incoming.pulls = [
+            Pull(
                 self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
                 ranks[read.peer_rank],
                 layerwise=layerwise and read.has_kv,
@@ -113,13 +114,14 @@ class Planner:
             read, nbytes=0, local_indices=None, remote_indices=None, state=RangeRead.joined([kv, read.state])
         )
 
-    def _direct_pull(self, read: PeerRead, params: ContextPhaseParams, ctx_state: DataTransceiverState) -> DirectPull:
+    def _direct_pull(self, read: PeerRead, params: ContextPhaseParams, ctx_state: DataTransceiverState) -> Pull:
         rank = ctx_state.comm.ranks[read.peer_rank]
         cp_rank = position(ctx_state.cache.parallel, read.peer_rank).cp_rank
         blocks = params.block_ids[min(cp_rank, len(params.block_ids) - 1)]
         token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
         folded = self._folded(read, rank)
-        pull = DirectPull(folded, rank, token, next(self._side.transfer_ids), peer_blocks=blocks)
+        transfer_id = next(self._side.transfer_ids)
+        pull = Pull(folded, rank, transfer_id, token, fast=True, step=Step.READ, peer_blocks=blocks)
         if read.peer_rank == params.ctx_rank and self._side.on_our_clock(rank.clock_domain):  # its promise, if any
             pull.made_params = True
             mask = promise_mask(ctx_state.hold_key, token)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from nixl_kv.errors import AgentError
-from nixl_kv.gen.pull import DirectPull, Step
+from nixl_kv.gen.pull import Pull, Step
 from nixl_kv.gen.reads import Reads
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.holds import promise_mask, promised_until, shows_token
@@ -49,7 +49,7 @@ class Prove:
         self._reads = reads
         self._notices: collections.deque[ReleaseNotice] = collections.deque()
 
-    def early_check(self, pull: DirectPull, queued: int) -> None:
+    def early_check(self, pull: Pull, queued: int) -> None:
         """READ the hold's board window now, beside the KV READ, from a peer on our clock, for READs short enough
         to end within a promise (a longer one gains little and would outlive it); ``queued``: pulls in flight."""
         side = self._side
@@ -61,7 +61,7 @@ class Prove:
         if pull.landing is not None:  # else every window is in use: the check after the READ will do
             pull.early = self.read_board(pull, b"")
 
-    def early_check_ended(self, incoming: Incoming, pull: DirectPull) -> bool:
+    def early_check_ended(self, incoming: Incoming, pull: Pull) -> bool:
         """Once the board READ beside the KV READ is over: was the hold there, promised past the KV READ?"""
         agent, landing = self._side.agent, self._side.landing
         status = agent.status(pull.early)
@@ -77,7 +77,7 @@ class Prove:
         pull.landing = None
         return True
 
-    def post_check(self, incoming: Incoming, pull: DirectPull) -> bool:
+    def post_check(self, incoming: Incoming, pull: Pull) -> bool:
         """READ the peer's hold board, the ReadDone riding on it (CHECK: True); with no free window, send the
         ReadDone and ask for a verdict instead (False)."""
         pull.landing = self._side.landing.take()
@@ -92,7 +92,7 @@ class Prove:
         pull.step = Step.CHECK
         return True
 
-    def check_ended(self, pull: DirectPull) -> bool:
+    def check_ended(self, pull: Pull) -> bool:
         """The CHECK READ finished: whether the hold token was on the board."""
         landing = self._side.landing
         held = shows_token(landing.window(pull.landing), pull.token)
@@ -100,7 +100,7 @@ class Prove:
         pull.landing = None
         return held
 
-    def read_board(self, pull: DirectPull, notification: bytes) -> Any:
+    def read_board(self, pull: Pull, notification: bytes) -> Any:
         """READ the hold's board window of the peer into the pull's landing window."""
         side = self._side
         landing = np.array([pull.landing], dtype=np.int32)
@@ -109,7 +109,7 @@ class Prove:
             pull.rank, side.agent.read, side.windows, landing, board, pull.board_index, notification
         )
 
-    def release_hold(self, incoming: Incoming, pull: DirectPull) -> None:
+    def release_hold(self, incoming: Incoming, pull: Pull) -> None:
         """After a pull the promise covered: the ReadDone that releases the blocks. Nothing waits on it (the
         promise holds the blocks meanwhile), so the loop thread sends it at its next tick, within its idle wait
         (2 ms): woken for it, it would take the GIL from the caller just as the caller returns."""

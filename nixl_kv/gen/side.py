@@ -12,7 +12,7 @@ from typing import Any
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.control import Control
-from nixl_kv.gen.pull import DirectPull, SteppedPull
+from nixl_kv.gen.pull import Pull
 from nixl_kv.holds import LandingRing
 from nixl_kv.interfaces import Formatter, ReadRequest, TransferAgent
 from nixl_kv.loop import ProgressLoop
@@ -35,8 +35,8 @@ class Incoming:
     deadline: float
     future: Future
     read_request: ReadRequest | None = None
-    peers: list[SteppedPull] = field(default_factory=list)
-    direct: list[DirectPull] | None = None  # the fast path's pulls (then ``peers`` is empty)
+    pulls: list[Pull] = field(default_factory=list)  # one per ctx peer
+    fast: bool = False  # its pulls take the fast path (``nixl_kv.gen.direct``), else the stepped one
     secret: bytes = b""  # the request's secret from its params: our proof to the ctx, and the ctx's to us
     stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
 
@@ -67,7 +67,7 @@ class Requests:
         """Under ``lock``."""
         self.active[incoming.key] = incoming
         self.by_request[incoming.request.request_id] = incoming.key
-        if incoming.direct is None:
+        if not incoming.fast:
             self.stepped[incoming.key] = incoming
 
     def remove(self, incoming: Incoming) -> None:
