@@ -49,7 +49,8 @@ class CacheReceiver:
         formatter: Formatter,
         staging: CacheTransBufferManager,
         direct_min_run_bytes: int,
-        max_peers: int = 256,
+        peers: PeerDirectory,
+        max_states: int = 256,
         landing: LandingRing | None = None,
         metrics: TransferMetrics | None = None,
     ) -> None:
@@ -77,13 +78,11 @@ class CacheReceiver:
         self._reads = Reads(side)
         self.slow_peers = self._reads.slow_peers
         self._planner = Planner(side, direct_min_run_bytes)
-        self._admit = Admit(side, self._planner, max_peers)
+        self._admit = Admit(side, self._planner, max_states)
         self._prove = Prove(side, self._reads)
         self._direct = DirectPulls(side, self._planner, self._reads, self._prove)
         self._stepped = SteppedPulls(side, self._reads)
-        side.peers = self._peers = PeerDirectory(
-            loop.agent, max_peers, self._busy_agents, on_change=self._direct.peer_changed
-        )
+        side.peers = self._peers = peers  # (the transceiver's: see ``busy_agents`` and ``peer_changed``)
         side.stuck = self._stuck = StuckReads(loop.agent, cache, staging, landing, self._peers, self._engaged_agents)
         self.poisoned = self._stuck.poisoned
         self._peers_swept_at = 0.0
@@ -176,7 +175,11 @@ class CacheReceiver:
         if not self._direct.on_verdict(sender, verdict):
             self._stepped.on_verdict(sender, verdict)
 
-    def _busy_agents(self) -> set[str]:
+    def peer_changed(self, name: str) -> None:
+        """The peer directory's thread: a peer got ready, failed to load, or was closed."""
+        self._direct.peer_changed(name)
+
+    def busy_agents(self) -> set[str]:
         """The peers an active request reads or will read from, and those of READs still in progress (never
         forgotten meanwhile: forgetting a NIXL peer would make their status lie)."""
         names = self._stuck.peers()

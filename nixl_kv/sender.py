@@ -23,6 +23,7 @@ from nixl_kv.ctx.table import RequestTable
 from nixl_kv.interfaces import Formatter
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics
+from nixl_kv.peers import PeerDirectory
 from nixl_kv.progress import ContextProgress
 from nixl_kv.protocol import LayerWatch, NoReaders, ReadDone, StageClaim
 from nixl_kv.requests import TransferRequest
@@ -39,6 +40,7 @@ class CacheSender:
         context: SenderContext,
         formatter: Formatter,
         staging: CacheTransBufferManager,
+        peers: PeerDirectory,
         metrics: TransferMetrics | None = None,
     ) -> None:
         self._loop = loop
@@ -48,7 +50,7 @@ class CacheSender:
         metrics = metrics or TransferMetrics(context.instance_id)
         control = Control(loop.agent, metrics, "ctx")
         self._table = RequestTable()
-        self._readers = Readers(loop.agent, control, context.instance_id, context.auth_key)
+        self._readers = Readers(control, peers, context.instance_id, context.auth_key)
         parallel = context.cache_state.parallel
         layers = layer_range(parallel, position(parallel, context.rank).pp_rank)
         self._serve = Serve(
@@ -105,6 +107,11 @@ class CacheSender:
         with self._table.lock:
             return len(self._table.outgoing)
 
+    def busy_readers(self) -> set[str]:
+        """Readers this rank still owes answers (layer watchers of requests it serves, holders of granted slots): the
+        peer directory keeps them loaded."""
+        return self._table.watchers() | self._serve.granted_readers()
+
     def release_deferred(self, everything: bool = False) -> None:
         """Unpin the requests whose promise has run out (``everything``: all, at close: see ``Release``)."""
         self._release.release_deferred(everything)
@@ -120,5 +127,4 @@ class CacheSender:
         self._staging.expire_leases(now, self._context.lease_ms / 1000)
         self._table.replay_parked(now)
         self._release.release_deferred()
-        self._readers.forget_idle(now)
         return busy or bool(self._table.parked)

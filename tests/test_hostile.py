@@ -178,14 +178,15 @@ def _wait_for(condition, timeout_s: float = 5.0, progress=lambda: None) -> bool:
     return condition()
 
 
-def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory, monkeypatch) -> None:  # noqa: ANN001
+def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory) -> None:  # noqa: ANN001
     """A dead or departed peer is unloaded once idle (it once stayed until another peer connected), on the gen
     side (its ctx agents and their lists) and the ctx side (its readers); a later request loads them again."""
-    from nixl_kv.ctx import readers
-
-    monkeypatch.setattr(readers, "PEER_IDLE_S", 0.2)
     pair = pair_factory()
-    pair.gen.transceiver._receiver._peers._idle_s = 0.2
+    for side in (
+        pair.gen,
+        pair.ctx,
+    ):  # each transceiver's one peer directory: ctx agents on the gen, readers on the ctx
+        side.transceiver._peers._idle_s = 0.2
     gen_agent, ctx_agent = pair.gen.transceiver._agent, pair.ctx.transceiver._agent
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.gen.transceiver.request_and_receive_async(request)

@@ -1,39 +1,27 @@
-"""The gen agents (readers) a ctx rank answers: loaded from the metadata their messages carry, forgotten when idle.
+"""The gen agents (readers) a ctx rank answers: their messages checked, their answers proven, their metadata loaded.
 
-Every message a reader sends carries its metadata, so forgetting one is safe at any time: its next message loads it
-again. Nothing is loaded for a message that does not prove its request's secret, and nothing answered: one
-malformed metadata blob aborts the whole process inside UCX (an address-version assertion, found by
-scripts/fuzz.sh).
+A reader is loaded from the metadata its (proven) message carries, in the rank's one peer directory
+(``PeerDirectory.reachable``), and forgotten like any other agent there (idle, or beyond its bound), or when an
+answer cannot reach it: every message a reader sends carries its metadata again. Nothing is loaded for a message that
+does not prove its request's secret, and nothing answered: one malformed metadata blob aborts the whole process inside
+UCX (an address-version assertion, found by scripts/fuzz.sh).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections import OrderedDict
 from typing import Any
 
 from nixl_kv.auth import request_secret
 from nixl_kv.control import Control
-from nixl_kv.errors import AgentError
-from nixl_kv.interfaces import TransferAgent
-from nixl_kv.peers import PEER_IDLE_S, PEER_SWEEP_S
-
-log = logging.getLogger(__name__)
-
-MAX_KNOWN_READERS = 1024  # gen agents whose metadata stays loaded; the oldest is forgotten beyond this
+from nixl_kv.peers import PeerDirectory
 
 
 class Readers:
-    """Check what readers send, answer them (``tell``), keep the ones in use loaded (loop thread only)."""
-
-    def __init__(self, agent: TransferAgent, control: Control, instance_id: str, auth_key: bytes) -> None:
-        self._agent = agent
+    def __init__(self, control: Control, peers: PeerDirectory, instance_id: str, auth_key: bytes) -> None:
         self._control = control
+        self._peers = peers
         self._instance_id = instance_id
         self._auth_key = auth_key
-        self._known: OrderedDict[str, float] = OrderedDict()  # loaded reader agents -> last use, LRU first
-        self._swept_at = 0.0
 
     def secret(self, request_id: int) -> bytes:
         return request_secret(self._auth_key, request_id)
@@ -46,39 +34,12 @@ class Readers:
 
     def reachable(self, reader: str, metadata: bytes) -> bool:
         """Load the reader (a NIXL agent can only notify agents whose metadata it loaded); False if unusable."""
-        if reader in self._known:
-            self._known[reader] = time.monotonic()
-            self._known.move_to_end(reader)
-            return True
-        try:
-            self._agent.load_remote(metadata, reader)
-        except AgentError as exc:
-            log.warning("reader %s sent unusable metadata: %s", reader, exc)
-            return False
-        self._known[reader] = time.monotonic()
-        while len(self._known) > MAX_KNOWN_READERS:
-            self._forget(next(iter(self._known)))
-        return True
+        return self._peers.reachable(reader, metadata)
 
     def tell(self, reader: str, answer: Any) -> str:
         """Answer a reader, proven under the request's secret; "" or why it failed. A failed send forgets the reader
         (its connection may have broken, as the transport ends one to a host that stopped answering)."""
         failure = self._control.tell(reader, answer, self.secret(answer.request_id))
-        if failure and reader in self._known:
-            self._forget(reader)
+        if failure:
+            self._peers.forget(reader)
         return failure
-
-    def forget_idle(self, now: float) -> None:
-        """Readers not heard from for PEER_IDLE_S (dead or departed gen instances) are unloaded, once a second."""
-        if now - self._swept_at < PEER_SWEEP_S:
-            return
-        self._swept_at = now
-        while self._known and now - next(iter(self._known.values())) > PEER_IDLE_S:
-            self._forget(next(iter(self._known)))
-
-    def _forget(self, reader: str) -> None:
-        del self._known[reader]
-        try:
-            self._agent.forget_remote(reader)
-        except AgentError as exc:
-            log.info("could not forget reader %s: %s", reader, exc)

@@ -101,6 +101,10 @@ class Serve:
         else:
             self._staging.release(slot)
 
+    def granted_readers(self) -> set[str]:
+        """Readers holding a granted slot (any thread: the table is copied at once)."""
+        return {reader for reader, _ in list(self._granted)}
+
     def poison_granted(self, request_id: int, back_at: float) -> None:
         """The request ended: a slot still granted for it may still be read, so it is not reused before ``back_at``."""
         for (reader, _), (rid, slot) in self._granted.items():

@@ -93,6 +93,11 @@ class RequestTable:
                     entries.append(self.outgoing.pop(rid))
         return entries
 
+    def watchers(self) -> set[str]:
+        """The readers watching the layers of a request this rank still serves."""
+        with self.lock:
+            return {r for rid, e in self.watched.items() if self.outgoing.get(rid) is e for r in e.watchers}
+
     def mark_finished(self, request_id: int) -> None:
         self.finished[request_id] = None
         while len(self.finished) > MAX_FINISHED:
