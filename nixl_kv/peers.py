@@ -1,4 +1,6 @@
-"""The ctx ranks a gen rank reads from: metadata loaded once, descriptor lists prepared once and reused.
+"""The peer directory: the remote agents a rank talks to, on both sides. The ctx ranks a gen rank reads from have
+their metadata loaded once and descriptor lists prepared once and reused; the gen ranks a ctx rank answers are loaded
+from their own messages (``reachable``).
 
 Slow work happens on the directory's own worker thread, never on a thread that posts READs: loading a peer's
 metadata, connecting to it and preparing its lists (~20 ms at first contact here; to a peer across hosts a TCP
@@ -6,7 +8,8 @@ connect, and NIXL holds its agent's lock meanwhile), closing peers and forgettin
 (a lookup) before it posts to a peer; when the peer is not ready, its loading is queued once and the request waits,
 bounded by its deadline, while requests to peers already loaded go on. ``warm`` queues the same and waits for it
 (``connect_to``, and callers that must reach a peer now). The worker does one thing at a time, in order, so the
-agent's peers and lists change on that thread only.
+agent's peers and lists change on that thread only, but for agents met by their own messages (``reachable``, and
+``forget`` when an answer cannot reach one): the thread that answers them loads them, since the answer is due now.
 
 Beyond ``max_peers`` prepared lists, the least recently used ones that no active request reads are released;
 beyond ``max_peers`` loaded agents, the least recently used ones that no active request reads and no kept list
@@ -161,6 +164,42 @@ class PeerDirectory:
         except FutureTimeout:
             raise AgentError(f"loading agent {rank.agent_name} took longer than {timeout_s:.0f} s") from None
 
+    # --- agents met by their own messages: the ctx side's readers -------------------------------------------
+    def reachable(self, name: str, metadata: bytes) -> bool:
+        """An agent whose (proven) message needs an answer now: loaded on the calling thread from the metadata the
+        message carries (a NIXL agent can only notify agents it loaded); False if that metadata is unusable. It is
+        forgotten like any other agent (idle, or beyond ``max_peers``): its next message carries its metadata again."""
+        with self._lock:
+            if name in self._loaded:
+                self._touch(name)
+                return True
+        try:
+            self._agent.load_remote(metadata, name)
+        except AgentError as exc:
+            log.warning("reader %s sent unusable metadata: %s", name, exc)
+            return False
+        with self._lock:
+            self._loaded[name] = time.monotonic()  # (never fresh: no READ from it will prove it)
+            crowded = len(self._loaded) > self._max_peers
+        if crowded:
+            self._submit(self._evict, urgent=True)
+        return True
+
+    def forget(self, name: str) -> None:
+        """Unload an agent a notification could not reach (its connection may have broken), unless a list of it is
+        kept or a request reads from it (the gen side's own failure handling closes those)."""
+        with self._lock:
+            if name not in self._loaded or any(agent == name for agent, _ in self._prepared):
+                return
+            if name in self._busy_agents():
+                return
+            del self._loaded[name]
+            self._fresh.pop(name, None)
+            try:
+                self._agent.forget_remote(name)
+            except AgentError as exc:
+                log.info("could not forget agent %s: %s", name, exc)
+
     # --- changes: queued on the worker ------------------------------------------------------------------
     def when_loaded(self, rank: RankCommInfo, send: Callable[[], None]) -> None:
         """Queue ``send`` (a notification) to run on the worker once the rank is loaded: a peer met only to be told
@@ -313,6 +352,10 @@ class PeerDirectory:
         prepared = self._agent.prepare(rank.agent_name, rows, memory)
         with self._lock:
             self._prepared[(rank.agent_name, what)] = (prepared, _described(rank, what))
+            self._evict_idle()
+
+    def _evict(self) -> None:
+        with self._lock:
             self._evict_idle()
 
     def _close(self, name: str) -> None:

@@ -28,6 +28,7 @@ from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics, TransferSummary
 from nixl_kv.params import ParamsMaker
+from nixl_kv.peers import PeerDirectory
 from nixl_kv.pool_checks import check_indexer_pools, check_kv_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
 from nixl_kv.receiver import CacheReceiver
@@ -40,6 +41,9 @@ from nixl_kv.status import SideRules, TransferTracker, outcome_by_deadline
 from nixl_kv.topology import position
 
 log = logging.getLogger(__name__)
+
+
+MAX_PEERS = 256  # remote agents (and descriptor lists) the peer directory keeps beyond those in use
 
 
 def resolve_backend(name: str, environ: Mapping[str, str]) -> str:
@@ -147,7 +151,12 @@ class CacheTransceiver:
         )
         self._params_maker = sender_context.params_maker()
         self.metrics = TransferMetrics(self.instance_id)
-        self._sender = CacheSender(self._loop, cache, sender_context, formatter, self._staging, self.metrics)
+        # one directory of remote agents for both sides: ctx peers read from, readers answered
+        busy = lambda: self._receiver.busy_agents() | self._sender.busy_readers()  # noqa: E731
+        self._peers = PeerDirectory(agent, MAX_PEERS, busy, on_change=lambda name: self._receiver.peer_changed(name))
+        self._sender = CacheSender(
+            self._loop, cache, sender_context, formatter, self._staging, self._peers, self.metrics
+        )
         self._receiver = CacheReceiver(
             self._loop,
             cache,
@@ -156,6 +165,7 @@ class CacheTransceiver:
             formatter,
             self._staging,
             self._direct_min_run_bytes(layout),
+            self._peers,
             landing=self._landing,
             metrics=self.metrics,
         )

@@ -326,14 +326,14 @@ def test_csv_summaries_on_both_sides(pair_factory, tmp_path: Path) -> None:
 # --- hostile or broken peers and bugs (regressions found in review) ------------------------------------------------
 def test_a_short_grant_fails_the_request_instead_of_delivering_stale_bytes(pair_factory) -> None:
     pair = pair_factory(ctx_kind=LayoutKind.PER_LAYER_NHD)  # staged, packed by the ctx side (not gathered)
-    sender = pair.ctx.transceiver._sender
-    real_grant = sender._grant
+    serve = pair.ctx.transceiver._sender._serve
+    real_grant = serve.grant
 
     def short_grant(reader, claim):  # a broken ctx: grants half of the packed box
         grant = real_grant(reader, claim)
         return dataclasses.replace(grant, nbytes=grant.nbytes // 2)
 
-    sender._grant = short_grant
+    serve.grant = short_grant
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.gen.transceiver.request_and_receive_sync(request)
     assert request.state is RequestState.TRANS_ERROR and "granted" in request.error and "-byte box" in request.error
@@ -360,7 +360,7 @@ def test_no_readers_from_an_agent_that_cannot_be_reached_is_ignored(pair_factory
     pair = pair_factory()
     ctx_request = pair.prefill(1, 40)
     spoof = NoReaders(pair.ctx.transceiver.instance_id, 1, b"not metadata")
-    pair.ctx.transceiver._loop.call(lambda: pair.ctx.transceiver._sender._on_no_readers("intruder", spoof))
+    pair.ctx.transceiver._loop.call(lambda: pair.ctx.transceiver._sender._count.on_no_readers("intruder", spoof))
     assert _poll_ctx_pending(pair) == 1  # still pinned for its real reader
     request = pair.gen_request(5, ctx_request)
     pair.gen.transceiver.request_and_receive_sync(request)
@@ -393,23 +393,23 @@ def test_claims_that_arrive_before_the_ctx_rank_registers(pair_factory, register
     # ranks of a ctx instance respond at slightly different times: a staged claim that reaches a rank first
     # waits (up to EARLY_GRACE_S) instead of failing the request, and is refused if the request never shows up
     pair = pair_factory(ctx_kind=LayoutKind.PER_LAYER_NHD)  # staged, packed by the ctx side (not gathered)
-    sender = pair.ctx.transceiver._sender
+    table = pair.ctx.transceiver._sender._table
     ctx_request = pair.prefill(1, 40)
-    with sender._lock:
-        entry = sender._outgoing.pop(1)  # as if this rank had not called respond_and_send_async yet
+    with table.lock:
+        entry = table.outgoing.pop(1)  # as if this rank had not called respond_and_send_async yet
     request = pair.gen_request(5, ctx_request)
     pair.gen.transceiver.request_and_receive_async(request)
     time.sleep(0.2)
     if registers:
-        with sender._lock:
-            sender._outgoing[1] = entry
+        with table.lock:
+            table.outgoing[1] = entry
         assert _poll_gen(pair, 5) == "completed" and pair.mismatches(5, 1, 40) == 0
     else:
         start = time.monotonic()
         assert _poll_gen(pair, 5) == "error"
         assert "not pinned here" in request.error and time.monotonic() - start < 2.0
-        with sender._lock:
-            sender._outgoing[1] = entry  # give it back so that closing releases it
+        with table.lock:
+            table.outgoing[1] = entry  # give it back so that closing releases it
 
 
 def test_a_request_the_gen_side_refuses_is_released_on_the_ctx_side_at_once() -> None:

@@ -24,6 +24,7 @@ from nixl_kv.holds import (
 )
 from nixl_kv.layout import LayoutKind
 from nixl_kv.params_seal import encode_params
+from nixl_kv.protocol import StageClaim
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import ContextPhaseParams
 from tests.conftest import Pair
@@ -107,41 +108,41 @@ def _poll(pair: Pair, request: TransferRequest, timeout_s: float = 10.0) -> Requ
     return request.state
 
 
-def _spy(pair: Pair, step: str) -> list[int]:
-    """Transfer ids of the direct pulls that take the receiver's ``step`` from now on."""
-    receiver = pair.gen.transceiver._receiver
+def _spy(pair: Pair, part: str, step: str) -> list[int]:
+    """Transfer ids of the direct pulls that take ``step`` of the receiver's ``part`` from now on."""
+    owner = getattr(pair.gen.transceiver._receiver, part)
     seen: list[int] = []
-    original = getattr(receiver, step)
+    original = getattr(owner, step)
 
-    def spy(incoming, pull) -> None:  # noqa: ANN001
+    def spy(incoming, pull) -> object:  # noqa: ANN001
         seen.append(pull.transfer_id)
-        original(incoming, pull)
+        return original(incoming, pull)
 
-    setattr(receiver, step, spy)
+    setattr(owner, step, spy)
     return seen
 
 
 def _verdicts(pair: Pair) -> list[int]:
     """The direct pulls that waited for a verdict."""
-    return _spy(pair, "_await_verdict")
+    return _spy(pair, "_direct", "await_verdict")
 
 
 def _checks_after_the_read(pair: Pair) -> list[int]:
     """The direct pulls that checked the board after their READ (no promise relied on)."""
-    return _spy(pair, "_post_check")
+    return _spy(pair, "_prove", "post_check")
 
 
 def _board_reads(pair: Pair) -> list[int]:
     """Transfer ids of the direct pulls that READ a board window from now on (beside or after the KV READ)."""
-    receiver = pair.gen.transceiver._receiver
+    prove = pair.gen.transceiver._receiver._prove
     seen: list[int] = []
-    original = receiver._read_board
+    original = prove.read_board
 
     def spy(pull, notification: bytes):  # noqa: ANN001, ANN202
         seen.append(pull.transfer_id)
         return original(pull, notification)
 
-    receiver._read_board = spy
+    prove.read_board = spy
     return seen
 
 
@@ -165,7 +166,7 @@ def test_without_a_promise_in_force_the_board_is_read_after_the_read(pair_factor
     pair = pair_factory(ctx_config={"hold_promise_ms": 1 if why == "promise ran out" else 5000})
     after = _checks_after_the_read(pair)
     if why == "another clock":
-        pair.gen.transceiver._receiver._clock_domain = "a host of its own"
+        pair.gen.transceiver._receiver._side.clock_domain = "a host of its own"
     ctx_request = pair.prefill(1, 40)
     time.sleep(0.05)
     request = pair.gen_request(5, ctx_request)
@@ -299,7 +300,7 @@ def test_gathered_pieces_need_no_ctx_packing(pair_factory, slots_free: bool) -> 
     first, the pull waits for one, then completes."""
     pair = pair_factory(gen_kind=LayoutKind.PER_LAYER_NHD, gen_config={"max_tokens_in_buffer": 32})
     claims = []
-    pair.ctx.transceiver._sender._on_stage_claim = lambda reader, claim: claims.append(claim)
+    pair.ctx.transceiver._loop.on_message(StageClaim, lambda reader, claim: claims.append(claim))
     verdicts = _verdicts(pair)
     staging = pair.gen.transceiver._staging
     held = [] if slots_free else [staging.acquire(("test", i), float("inf"), 1) for i in range(len(staging.slots))]

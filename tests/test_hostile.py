@@ -178,14 +178,15 @@ def _wait_for(condition, timeout_s: float = 5.0, progress=lambda: None) -> bool:
     return condition()
 
 
-def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory, monkeypatch) -> None:  # noqa: ANN001
+def test_peers_no_request_used_for_a_while_are_forgotten_on_both_sides(pair_factory) -> None:  # noqa: ANN001
     """A dead or departed peer is unloaded once idle (it once stayed until another peer connected), on the gen
     side (its ctx agents and their lists) and the ctx side (its readers); a later request loads them again."""
-    from nixl_kv import sender
-
-    monkeypatch.setattr(sender, "PEER_IDLE_S", 0.2)
     pair = pair_factory()
-    pair.gen.transceiver._receiver._peers._idle_s = 0.2
+    for side in (
+        pair.gen,
+        pair.ctx,
+    ):  # each transceiver's one peer directory: ctx agents on the gen, readers on the ctx
+        side.transceiver._peers._idle_s = 0.2
     gen_agent, ctx_agent = pair.gen.transceiver._agent, pair.ctx.transceiver._agent
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.gen.transceiver.request_and_receive_async(request)
@@ -302,9 +303,9 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
     request = pair.gen_request(5, ctx_request)
     pair.gen.transceiver.request_and_receive_async(request)
     receiver = pair.gen.transceiver._receiver
-    waiting = lambda: [p for _, p in receiver._direct_by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
+    waiting = lambda: [p for _, p in receiver._direct.by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
     assert _wait_for(lambda: len(waiting()) == 1)
-    (transfer_id,) = receiver._direct_by_transfer
+    (transfer_id,) = receiver._direct.by_transfer
     impostor = NixlAgent(ctx_agent.name)
     try:
         impostor.load_remote(gen_agent.metadata(), gen_agent.name)
@@ -314,7 +315,9 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
         impostor.notify(gen_agent.name, wire.encode(verdict))
         forged = lambda: pair.gen.transceiver.metrics.snapshot()["gen"]["forged_messages"]  # noqa: E731
         assert _wait_for(
-            lambda: forged() == 1 or request.request_id not in receiver._by_request, 5, impostor.poll_notifications
+            lambda: forged() == 1 or request.request_id not in receiver._requests.by_request,
+            5,
+            impostor.poll_notifications,
         )
         state = _poll(pair, request, timeout_s=5)
         if proof == "none":
@@ -425,13 +428,15 @@ def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory
     even with the request's secret, a peer cannot make that wait grow without bound."""
     from nixl_kv.agents.nixl_agent import NixlAgent
     from nixl_kv.auth import request_secret
+    from nixl_kv.ctx.table import MAX_PARKED_PER_REQUEST
     from nixl_kv.protocol import LayerWatch
-    from nixl_kv.sender import MAX_PARKED_PER_REQUEST
 
     pair = pair_factory()
-    sender = pair.ctx.transceiver._sender
+    table = pair.ctx.transceiver._sender._table
     ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
-    secret = request_secret(sender._context.auth_key, 77)  # a request this rank will respond to later
+    secret = request_secret(
+        pair.ctx.transceiver._sender._context.auth_key, 77
+    )  # a request this rank will respond to later
     peer = NixlAgent("eager-peer")
     try:
         peer.load_remote(ctx_agent.metadata(), ctx_agent.name)
@@ -439,9 +444,9 @@ def test_early_messages_kept_for_a_request_not_yet_held_are_bounded(pair_factory
         sent = MAX_PARKED_PER_REQUEST + 44
         for _ in range(sent):
             peer.notify(ctx_agent.name, watch)
-        arrived = lambda: len(sender._parked.get(77, ())) == MAX_PARKED_PER_REQUEST  # noqa: E731
-        assert _wait_for(arrived, progress=peer.poll_notifications), len(sender._parked.get(77, ()))
+        arrived = lambda: len(table.parked.get(77, ())) == MAX_PARKED_PER_REQUEST  # noqa: E731
+        assert _wait_for(arrived, progress=peer.poll_notifications), len(table.parked.get(77, ()))
         time.sleep(0.2)  # the rest arrived too, and were dropped
-        assert len(sender._parked[77]) == MAX_PARKED_PER_REQUEST
+        assert len(table.parked[77]) == MAX_PARKED_PER_REQUEST
     finally:
         peer.close()

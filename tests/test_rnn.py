@@ -180,7 +180,7 @@ def record_reads(transceiver: CacheTransceiver) -> list[str]:
     """The READs of cache data the transceiver's agent posts from now on: "prepared" (indexed lists) or "ranges"
     (explicit rows). The hold checks (READs of the ctx rank's hold board into a landing window) are not data."""
     posted: list[str] = []
-    agent, windows = transceiver._agent, transceiver._receiver._windows
+    agent, windows = transceiver._agent, transceiver._receiver._side.windows
 
     def read(local, *args):  # noqa: ANN001, ANN202
         if local is not windows:

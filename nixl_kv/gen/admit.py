@@ -1,0 +1,113 @@
+"""Admit a request: the params' seal, their decoding, the request's secret, the ctx state (decoded and checked once
+per state: its pools against its cache state), the plan, and the pin of our destination blocks.
+
+A request this rank cannot read fails as a whole before any byte moves, and its ctx ranks are told at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future
+
+from nixl_kv import wire
+from nixl_kv.errors import IncompatibleStateError, NixlKvError, TransferError
+from nixl_kv.gen.plan import Planner
+from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.params_seal import is_sealed
+from nixl_kv.pool_checks import kv_pool_problems
+from nixl_kv.protocol import ReadDone
+from nixl_kv.requests import TransferRequest
+from nixl_kv.state import ContextPhaseParams, DataTransceiverState
+from nixl_kv.topology import holds_request
+
+MAX_RELEASE_NOTICES = 64  # ctx ranks told at once that a request was refused; the others release at their lease
+
+
+class Admit:
+    def __init__(self, side: GenSide, planner: Planner, max_states: int) -> None:
+        self._side = side
+        self._planner = planner
+        self._max_states = max_states
+        self._states: OrderedDict[bytes, tuple[DataTransceiverState, str]] = OrderedDict()  # state, its problem
+
+    def admit(self, request: TransferRequest, future: Future) -> Incoming:
+        """The request, planned and pinned, in the request table; raises NixlKvError when it cannot be read."""
+        side, requests = self._side, self._side.requests
+        if request.context_phase_params is None:
+            raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
+        if not is_sealed(request.context_phase_params):  # damaged on the way (or not made by a ctx transceiver)
+            raise TransferError(f"the ContextPhaseParams of request {request.request_id} fail their checksum")
+        params = wire.decode(request.context_phase_params, ContextPhaseParams)
+        if not params.secret:  # (nothing can tell its ctx side: a message without the secret is dropped there)
+            raise TransferError(f"the params of request {request.request_id} carry no request secret")
+        ctx_state, problem = self.decode_state(params.ctx_state)
+        key = (ctx_state.instance_id, params.request_id)
+        with requests.lock:
+            if requests.known(key, request.request_id):  # a retry must not end the original
+                raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
+        try:
+            if problem:
+                raise IncompatibleStateError(problem)
+            read_request, plan = self._planner.plan(request, params, ctx_state)
+        except NixlKvError as exc:
+            self._release_ctx_side(params, ctx_state, str(exc))
+            raise
+        request.first_gen_tokens, request.draft_tokens = params.first_gen_tokens, params.draft_tokens
+        request.num_tokens = params.num_tokens
+        request.transfer_bytes = sum(read.total_bytes for read in plan)
+        budget_ms = params.lease_ms  # the ctx side releases the blocks then: reading later cannot succeed
+        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
+        deadline = request.transfer_start + budget_ms / 1000
+        request.transfer_deadline = deadline
+        incoming = Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request, secret=params.secret)
+        self._planner.pulls(incoming, plan, params)
+        with requests.lock:
+            if requests.known(key, request.request_id):
+                raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
+            side.cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
+            requests.add(incoming)
+        return incoming
+
+    def decode_state(self, data: bytes) -> tuple[DataTransceiverState, str]:
+        """A ctx state, decoded and checked once, and what is wrong with it ("" when nothing): a state whose ranks'
+        KV pools contradict its cache state is refused before anything is planned from it."""
+        lock = self._side.requests.lock
+        with lock:
+            known = self._states.get(data)
+        if known is None:
+            state = wire.decode(data, DataTransceiverState)
+            problems = [
+                f"ctx rank {rank}: {'; '.join(wrong)}"
+                for rank, info in enumerate(state.comm.ranks)
+                if (wrong := kv_pool_problems(info.layout, state.cache, rank))
+            ]
+            heading = "ctx KV pools do not match their share of the ctx cache state: "
+            known = (state, heading + " | ".join(problems) if problems else "")
+            with lock:
+                self._states[data] = known
+                while len(self._states) > self._max_states:
+                    self._states.popitem(last=False)
+        return known
+
+    def _release_ctx_side(self, params: ContextPhaseParams, ctx_state: DataTransceiverState, reason: str) -> None:
+        """A request this rank cannot read fails as a whole: tell the ctx ranks holding it, so they release its
+        blocks now rather than at the end of their lease (in the background: first contact takes a while)."""
+        side, ctx = self._side, ctx_state.cache.parallel
+        holders = [
+            ctx_state.comm.ranks[rank] for rank in range(ctx.world_size) if holds_request(ctx, rank, params.ctx_dp_rank)
+        ]
+        message = side.control.encode(
+            ReadDone(
+                ctx_instance_id=ctx_state.instance_id,
+                request_id=params.request_id,
+                transfer_id=0,
+                reader_metadata=side.metadata,
+                expected_readers=1,
+                final=True,
+                failed=True,
+                reason=f"a gen rank cannot read the request: {reason}"[:512],
+            ),
+            params.secret,
+        )
+        for rank in holders[:MAX_RELEASE_NOTICES]:  # (best effort: the ctx lease still ends the request)
+            side.peers.when_loaded(rank, lambda name=rank.agent_name: side.agent.notify(name, message))

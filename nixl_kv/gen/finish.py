@@ -1,0 +1,70 @@
+"""Finish a request: resolve it, unpin its blocks unless a READ may still land in them, tell the ctx when it failed.
+
+UCX cannot cancel an RMA read in flight (releasing its handle is no cancel), so a READ abandoned while still in
+progress keeps its destination poisoned: the pool blocks pinned, the staging slot or landing window held back,
+until its status leaves in progress (``StuckReads``, which closes the peer of a READ that never leaves it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from nixl_kv.buffers import StagingSlot
+from nixl_kv.errors import AgentError, TransferError
+from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.interfaces import TransferStatus
+from nixl_kv.state import RankCommInfo
+from nixl_kv.stuck import StuckRead
+
+log = logging.getLogger(__name__)
+
+
+def end(side: GenSide, incoming: Incoming, failure: str | None) -> None:
+    """The request leaves the table and its future resolves; its blocks are unpinned unless a READ is stuck."""
+    side.requests.remove(incoming)
+    incoming.request.transfer_end = time.monotonic()
+    if not incoming.stuck:
+        side.cache.unpin(incoming.request.request_id)
+    if failure is None:
+        incoming.future.set_result(None)
+    else:
+        incoming.future.set_exception(TransferError(failure))
+
+
+def abandon(
+    side: GenSide,
+    incoming: Incoming,
+    handle: Any,
+    slot: StagingSlot | None,
+    landing: int | None,
+    reason: str,
+    peer: str,
+) -> None:
+    """Let go of a READ that will not be waited for: its destination comes back now if the READ is over, else it
+    stays poisoned (see the module's docstring)."""
+    agent = side.agent
+    if agent.status(handle) is not TransferStatus.IN_PROGRESS and agent.release_transfer(handle):
+        if slot is not None:
+            side.staging.release(slot)
+        if landing is not None:
+            side.landing.give(landing)
+        return
+    now = time.monotonic()
+    side.stuck.add(StuckRead(incoming.key, incoming.request.request_id, handle, peer, slot, landing, now), reason)
+    incoming.stuck = True
+
+
+def tell_ctx_failed(
+    side: GenSide, incoming: Incoming, rank: RankCommInfo, transfer_id: int, expected_readers: int, reason: str
+) -> None:
+    """So the ctx rank releases the request now rather than at the end of its lease; only to a peer loaded now
+    (loading one to tell it would cost the thread that fails requests, for a peer that may be dead)."""
+    if not side.peers.loaded_now(rank.agent_name):
+        return
+    message = side.read_done(incoming.key, incoming.secret, transfer_id, expected_readers, True, False, failure=reason)
+    try:
+        side.agent.notify(rank.agent_name, message)
+    except AgentError as exc:
+        log.info("could not tell %s that request %s failed: %s", rank.agent_name, incoming.key, exc)

@@ -1,0 +1,133 @@
+"""Plan a request: check the pairing, plan this rank's reads (from a template when one fits: ``PlanCache``), fold
+each peer's state into its KV READ, and choose the path: direct (the fast path) or stepped."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from nixl_kv.errors import NotSupportedError, TransferError
+from nixl_kv.gen.pull import Pull, Step, direct_eligible
+from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.holds import hold_token, promise_mask, unmask_promise
+from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
+from nixl_kv.plan_cache import PlanCache
+from nixl_kv.ranges import coalesce
+from nixl_kv.requests import TransferRequest
+from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
+from nixl_kv.topology import position
+
+
+class Planner:
+    def __init__(self, side: GenSide, direct_min_run_bytes: int) -> None:
+        self._side = side
+        self._direct_min_run_bytes = direct_min_run_bytes
+        self._plans = PlanCache(self._plan_from_scratch)
+
+    def plan(
+        self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
+    ) -> tuple[ReadRequest, list[PeerRead]]:
+        """Check the pairing and plan this rank's reads of the request (no byte moves yet)."""
+        side = self._side
+        if params.layerwise and ctx_state.cache.rnn is not None:
+            raise NotSupportedError(
+                "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
+            )
+        if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
+            raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
+        read_request = ReadRequest(
+            self_state=side.self_state,
+            self_rank=side.self_rank,
+            self_layout=side.cache.layout,
+            peer_state=ctx_state,
+            peer_block_ids=params.block_ids,
+            local_block_ids=self.local_blocks(request.request_id),
+            num_tokens=params.num_tokens,
+            peer_dp_rank=params.ctx_dp_rank,
+            first_block=request.reused_blocks,
+            stage_bytes=self._stage_bytes(ctx_state),
+            direct_min_run_bytes=self._direct_min_run_bytes,
+            layerwise=params.layerwise,
+            self_indexer=getattr(side.cache, "indexer_layout", None),
+            self_rnn=getattr(side.cache, "rnn_layout", None),
+            self_rnn_slot=self._local_slot(request.request_id),
+            peer_rnn_slot=params.rnn_slot,
+        )
+        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
+        return read_request, self._plans.plan(read_request, num_blocks)
+
+    def pulls(self, incoming: Incoming, plan: list[PeerRead], params: ContextPhaseParams) -> None:
+        """The request's per-peer pulls: fast ones where every part can be (``direct_eligible``), else stepped."""
+        ctx_state, layerwise = incoming.ctx_state, params.layerwise
+        ranks = ctx_state.comm.ranks
+        if ctx_state.hold_key and self._side.landing is not None and direct_eligible(plan, ranks, layerwise):
+            incoming.fast = True
+            incoming.pulls = [self._direct_pull(read, params, ctx_state) for read in plan]
+            return
+        incoming.pulls = [
+            Pull(
+                self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
+                ranks[read.peer_rank],
+                layerwise=layerwise and read.has_kv,
+            )
+            for read in plan
+        ]
+
+    def local_blocks(self, request_id: int) -> np.ndarray:
+        try:
+            return np.asarray(self._side.cache.block_ids(request_id))
+        except KeyError as exc:
+            raise TransferError(f"the gen cache holds no blocks for request {request_id}: {exc}") from None
+
+    def _local_slot(self, request_id: int) -> int | None:
+        """The request's Mamba state slot, for caches that keep RNN state (``rnn_layout`` not None)."""
+        if getattr(self._side.cache, "rnn_layout", None) is None:
+            return None
+        try:
+            return self._side.cache.rnn_slot(request_id)
+        except KeyError as exc:
+            raise TransferError(f"the gen cache holds no RNN state slot for request {request_id}: {exc}") from None
+
+    def _plan_from_scratch(self, read_request: ReadRequest) -> list[PeerRead]:
+        """What the plan cache calls for a new kind of request (its template is kept for the next ones)."""
+        self._side.formatter.inquire_support(self._side.self_state.cache, read_request.peer_state.cache)
+        return self._side.formatter.plan(read_request)
+
+    def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
+        """A direct KV part and the state after it, read together: each READ costs a confirmation round trip."""
+        if read.state is None or read.local_indices is None:
+            return read
+        local, remote = self._side.cache.layout, rank.layout
+        kv = RangeRead(
+            "kv",
+            *coalesce(
+                local.unit_addresses(read.local_indices, read.coarse),
+                remote.unit_addresses(read.remote_indices, read.coarse),
+                np.full(len(read.local_indices), local.segment_bytes if read.coarse else local.unit_bytes),
+                local.pools,
+                remote.pools,
+            ),
+        )
+        return dataclasses.replace(
+            read, nbytes=0, local_indices=None, remote_indices=None, state=RangeRead.joined([kv, read.state])
+        )
+
+    def _direct_pull(self, read: PeerRead, params: ContextPhaseParams, ctx_state: DataTransceiverState) -> Pull:
+        rank = ctx_state.comm.ranks[read.peer_rank]
+        cp_rank = position(ctx_state.cache.parallel, read.peer_rank).cp_rank
+        blocks = params.block_ids[min(cp_rank, len(params.block_ids) - 1)]
+        token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
+        folded = self._folded(read, rank)
+        transfer_id = next(self._side.transfer_ids)
+        pull = Pull(folded, rank, transfer_id, token, fast=True, step=Step.READ, peer_blocks=blocks)
+        if read.peer_rank == params.ctx_rank and self._side.on_our_clock(rank.clock_domain):  # its promise, if any
+            pull.made_params = True
+            mask = promise_mask(ctx_state.hold_key, token)
+            pull.promised_until_ns = unmask_promise(params.masked_promise, mask, time.monotonic_ns())
+        return pull
+
+    def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
+        ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
+        return min([self._side.staging.slot_bytes, *ctx_slots]) if ctx_slots else 0
