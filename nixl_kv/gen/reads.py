@@ -62,7 +62,8 @@ class Reads:
             log.warning(
                 "READs from %s run at %.2f GB/s (%d MiB in %.1f ms) on %s: UCX is likely staging through host memory "
                 "or using TCP; check UCX_TLS (cuda_ipc for NVLink, rc/dc with GPUDirect RDMA across hosts, cma/sm "
-                "within a host)",
+                "within a host; between processes on one GPU, or GPUs without NVLink, UCX's cuda_ipc serves READs "
+                "only with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, which nixl_kv sets unless you set it)",
                 agent_name, gbps, nbytes >> 20, seconds * 1e3, memory.value,
             )  # fmt: skip
 
