@@ -1,6 +1,6 @@
 """Descriptor rows as flat entries, for agents whose transport takes (address, length) lists rather than NIXL's
 prepared lists: the Mooncake, MPI and UCX agents. Pure numpy; a bad table raises ValueError, which ``checked``
-turns into the agent's AgentError."""
+turns into the agent's AgentError (``located`` raises the AgentError itself)."""
 
 from __future__ import annotations
 
@@ -62,9 +62,18 @@ def region_of(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tupl
     return np.where(fits, order[np.maximum(where, 0)], -1)
 
 
-def inside(addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Whether each entry lies inside one of the regions."""
-    return region_of(addresses, lengths, regions) >= 0
+def located(
+    what: str, addresses: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]], where: str
+) -> np.ndarray:
+    """``region_of`` each entry; for the first entry outside every region, the AgentError ``what: entry i (address,
+    n bytes) is not inside where``."""
+    found = region_of(addresses, lengths, regions)
+    if len(outside := np.flatnonzero(found < 0)):
+        first = int(outside[0])
+        raise AgentError(
+            f"{what}: entry {first} ({int(addresses[first]):#x}, {int(lengths[first])} bytes) is not inside {where}"
+        )
+    return found
 
 
 def runs(

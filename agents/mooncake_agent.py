@@ -66,10 +66,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from nixl_kv.agents.descriptors import checked, expand, inside, picked, runs, table
+from nixl_kv.agents.descriptors import checked, located, runs, table
+from nixl_kv.agents.flat_agent import FlatAgent, FlatPrepared
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
-from nixl_kv.interfaces import TransferAgent, TransferStatus
+from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -130,17 +131,6 @@ def _valid_session(session: object) -> bool:
 
 
 @dataclass(eq=False)
-class MooncakePrepared:
-    """A prepared descriptor list: one entry per unit, and the row each entry came from (merges stay in a row)."""
-
-    owner: str | None
-    memory: MemoryKind
-    addresses: np.ndarray  # uint64
-    lengths: np.ndarray  # uint64
-    rows: np.ndarray  # int64
-
-
-@dataclass(eq=False)
 class MooncakeTransfer:
     """A READ running on the agent's pool; its future holds the engine's return code."""
 
@@ -158,12 +148,14 @@ class _Batch:
     lengths: list[int]
 
 
-class MooncakeAgent(TransferAgent):
+class MooncakeAgent(FlatAgent):
     """A Mooncake ``TransferEngine`` (TCP transport, P2P handshake) plus the bookkeeping ``close`` releases.
 
     Thread-safe as far as the engine is: READs run on the agent's pool, and the progress loop may poll
     notifications while the caller's thread posts and checks READs.
     """
+
+    LABEL = "Mooncake"
 
     def __init__(
         self,
@@ -185,6 +177,7 @@ class MooncakeAgent(TransferAgent):
             raise NotSupportedError(
                 f"the Mooncake agent needs mooncake-transfer-engine (or -non-cuda): {type(exc).__name__}: {exc}"
             ) from exc
+        super().__init__()
         self.name = name
         hostname = hostname or os.environ.get(HOSTNAME_ENV, "127.0.0.1")
         protocol = protocol or os.environ.get(PROTOCOL_ENV, "tcp")
@@ -203,7 +196,6 @@ class MooncakeAgent(TransferAgent):
         self._notifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-notify-{name}")
         self._registrations: list[tuple[int, int]] = []  # (address, nbytes), kept sorted by address
         self._on_vram_engine: list[int] = []  # addresses registered with the VRAM engine
-        self._prepared: set[MooncakePrepared] = set()
         self._transfers: set[MooncakeTransfer] = set()
         self._remotes: dict[str, MooncakeMetadata] = {}
         self._closed = False
@@ -233,40 +225,6 @@ class MooncakeAgent(TransferAgent):
 
     def forget_remote(self, name: str) -> None:
         self._remotes.pop(name, None)
-
-    def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
-        what = f"prepare descriptors of {owner or 'local memory'}"
-        self._check_memory(memory)
-        addresses, lengths, rows = checked(expand, f"Mooncake could not {what}", descriptors)
-        if owner is None:
-            self._check_local(addresses, lengths, what)
-        else:
-            self._peer(owner, what)
-        prepared = MooncakePrepared(owner, memory, addresses, lengths, rows)
-        self._prepared.add(prepared)
-        return prepared
-
-    def release_prepared(self, prepared: Any) -> None:
-        self._prepared.discard(prepared)
-
-    def read(
-        self,
-        local: Any,
-        local_indices: np.ndarray,
-        remote: Any,
-        remote_indices: np.ndarray,
-        notification: bytes,
-    ) -> Any:
-        if local.owner is not None or remote.owner is None:
-            raise AgentError("Mooncake could not create READ: needs a local and a remote descriptor list")
-        what = "Mooncake could not create READ"
-        local_at = checked(picked, what, local_indices, len(local.addresses))
-        remote_at = checked(picked, what, remote_indices, len(remote.addresses))
-        batch = _batch(
-            (local.addresses[local_at], local.lengths[local_at], local.rows[local_at]),
-            (remote.addresses[remote_at], remote.lengths[remote_at], remote.rows[remote_at]),
-        )
-        return self._post(remote.owner, batch, notification, (local.memory, remote.memory))
 
     def read_ranges(
         self,
@@ -349,15 +307,16 @@ class MooncakeAgent(TransferAgent):
         self._on_vram_engine.clear()
         self._engine = self._vram_engine = None
 
-    @property
-    def live_handles(self) -> dict[str, int]:
-        """What the agent still holds (tests assert it is all zero after close)."""
-        return {
-            "transfers": len(self._transfers),
-            "prepared": len(self._prepared),
-            "remotes": len(self._remotes),
-            "registrations": len(self._registrations),
-        }
+    def _admit(self, owner: str | None, addresses: np.ndarray, lengths: np.ndarray, what: str) -> tuple[None, None]:
+        if owner is None:
+            self._check_local(addresses, lengths, what)
+        else:
+            self._peer(owner, what)
+        return None, None
+
+    def _read_lists(self, local: FlatPrepared, remote: FlatPrepared, notification: bytes) -> MooncakeTransfer:
+        batch = _batch((local.addresses, local.lengths, local.rows), (remote.addresses, remote.lengths, remote.rows))
+        return self._post(remote.owner, batch, notification, (local.memory, remote.memory))
 
     def _post(
         self, peer: str, batch: _Batch, notification: bytes, memory: tuple[MemoryKind, MemoryKind]
@@ -418,13 +377,7 @@ class MooncakeAgent(TransferAgent):
 
     def _check_local(self, addresses: np.ndarray, lengths: np.ndarray, what: str) -> None:
         """Every entry inside one registered region (the TCP client would copy into any address)."""
-        outside = np.flatnonzero(~inside(addresses, lengths, self._registrations))
-        if len(outside):
-            first = int(outside[0])
-            raise AgentError(
-                f"Mooncake could not {what}: entry {first} ({int(addresses[first]):#x}, {int(lengths[first])} bytes)"
-                " is not inside registered memory"
-            )
+        located(f"Mooncake could not {what}", addresses, lengths, self._registrations, "registered memory")
 
     def _call(self, what: str, method: str, *args: Any, engine: Any = None) -> Any:
         engine = engine or self._engine

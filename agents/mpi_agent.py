@@ -69,10 +69,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from nixl_kv.agents.descriptors import checked, expand, inside, picked, runs, table
+from nixl_kv.agents.descriptors import checked, located, runs, table
+from nixl_kv.agents.flat_agent import FlatAgent, FlatPrepared
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NixlKvError, NotSupportedError
-from nixl_kv.interfaces import TransferAgent, TransferStatus
+from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -139,15 +140,6 @@ def _valid_region(region: object) -> bool:
         and all(isinstance(value, int) and 0 < value < 1 << 64 for value in region)
         and region[0] + region[1] <= 1 << 64
     )
-
-
-@dataclass(eq=False)
-class MpiPrepared:
-    """A prepared descriptor list: one (address, length) entry per unit, checked against registered memory."""
-
-    owner: str | None
-    addresses: np.ndarray  # uint64
-    lengths: np.ndarray  # uint64
 
 
 @dataclass(eq=False)
@@ -317,11 +309,15 @@ def _world(timeout_s: float = WORLD_TIMEOUT_S) -> _World:
         return _WORLD
 
 
-class MpiAgent(TransferAgent):
+class MpiAgent(FlatAgent):
     """An MPI rank's agent: READs on the process's dynamic window, notifications on its communicator.
 
     Thread-safe: MPI runs with MPI_THREAD_MULTIPLE, and the agent's own books are under a lock.
     """
+
+    LABEL = "MPI"
+    DRAM_ONLY = "the MPI agent moves DRAM only: the mpich wheel is not GPU-aware"
+    FOREIGN = "descriptor lists must come from this agent's prepare"
 
     def __init__(self, name: str, progress_thread: bool = False, read_timeout_s: float | None = None) -> None:
         """``progress_thread`` is accepted for the registry's call and ignored (see the module: progress).
@@ -332,8 +328,8 @@ class MpiAgent(TransferAgent):
         self._world = self._call("create its window", _world)
         self._world.join(name)
         self._lock = threading.RLock()
+        super().__init__(self._lock)
         self._registrations: list[tuple[int, int]] = []  # (address, nbytes), sorted
-        self._prepared: set[MpiPrepared] = set()
         self._transfers: set[MpiTransfer] = set()
         self._remotes: dict[str, MpiMetadata] = {}
         self._closed = False
@@ -344,7 +340,7 @@ class MpiAgent(TransferAgent):
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
-            _check_memory(region.memory)
+            self._check_memory(region.memory)
         with self._lock:
             self._check_open("register memory")
             for region in regions:
@@ -368,41 +364,6 @@ class MpiAgent(TransferAgent):
         with self._lock:
             self._remotes.pop(name, None)
 
-    def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
-        what = f"prepare descriptors of {owner or 'local memory'}"
-        _check_memory(memory)
-        addresses, lengths, _ = checked(expand, f"MPI could not {what}", descriptors)
-        self._check_inside(owner, addresses, lengths, what)
-        prepared = MpiPrepared(owner, addresses, lengths)
-        with self._lock:
-            self._prepared.add(prepared)
-        return prepared
-
-    def release_prepared(self, prepared: Any) -> None:
-        with self._lock:
-            self._prepared.discard(prepared)
-
-    def read(
-        self,
-        local: Any,
-        local_indices: np.ndarray,
-        remote: Any,
-        remote_indices: np.ndarray,
-        notification: bytes,
-    ) -> Any:
-        if not isinstance(local, MpiPrepared) or not isinstance(remote, MpiPrepared):
-            raise AgentError("MPI could not create READ: descriptor lists must come from this agent's prepare")
-        if local.owner is not None or remote.owner is None:
-            raise AgentError("MPI could not create READ: needs a local and a remote descriptor list")
-        at_local = checked(picked, "MPI could not create READ", local_indices, len(local.addresses))
-        at_remote = checked(picked, "MPI could not create READ", remote_indices, len(remote.addresses))
-        return self._post(
-            remote.owner,
-            (local.addresses[at_local], local.lengths[at_local]),
-            (remote.addresses[at_remote], remote.lengths[at_remote]),
-            notification,
-        )
-
     def read_ranges(
         self,
         peer: str,
@@ -413,7 +374,7 @@ class MpiAgent(TransferAgent):
         notification: bytes,
     ) -> Any:
         for memory in (local_memory, remote_memory):
-            _check_memory(memory)
+            self._check_memory(memory)
         local, remote = (
             checked(table, "MPI could not describe ranges", rows, (3,)) for rows in (local_rows, remote_rows)
         )
@@ -476,15 +437,13 @@ class MpiAgent(TransferAgent):
             self._registrations.clear()
             world.leave(self.name)
 
-    @property
-    def live_handles(self) -> dict[str, int]:
-        """What the agent still holds (tests assert it is all zero after close)."""
-        return {
-            "transfers": len(self._transfers),
-            "prepared": len(self._prepared),
-            "remotes": len(self._remotes),
-            "registrations": len(self._registrations),
-        }
+    def _admit(self, owner: str | None, addresses: np.ndarray, lengths: np.ndarray, what: str) -> tuple[None, None]:
+        self._check_inside(owner, addresses, lengths, what)
+        return None, None
+
+    def _read_lists(self, local: FlatPrepared, remote: FlatPrepared, notification: bytes) -> MpiTransfer:
+        local_entries, remote_entries = (local.addresses, local.lengths), (remote.addresses, remote.lengths)
+        return self._post(remote.owner, local_entries, remote_entries, notification)
 
     def _post(
         self, peer: str, local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np.ndarray], note: bytes
@@ -544,14 +503,8 @@ class MpiAgent(TransferAgent):
         itself checks nothing: a Get outside the target's attached memory crashes the target)."""
         with self._lock:
             regions = self._registrations if owner is None else list(self._peer(owner, what).regions)
-        outside = np.flatnonzero(~inside(addresses, lengths, regions))
-        if len(outside):
-            first = int(outside[0])
-            where = "registered memory" if owner is None else f"memory {owner} registered"
-            raise AgentError(
-                f"MPI could not {what}: entry {first} ({int(addresses[first]):#x}, {int(lengths[first])} bytes) "
-                f"is not inside {where}"
-            )
+        where = "registered memory" if owner is None else f"memory {owner} registered"
+        located(f"MPI could not {what}", addresses, lengths, regions, where)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -572,11 +525,6 @@ def _read_timeout_s() -> float:
         return max(0.0, float(os.environ.get(READ_TIMEOUT_ENV, "")))
     except ValueError:
         return READ_TIMEOUT_S
-
-
-def _check_memory(memory: MemoryKind) -> None:
-    if memory is not MemoryKind.DRAM:
-        raise NotSupportedError("the MPI agent moves DRAM only: the mpich wheel is not GPU-aware")
 
 
 def _runs(

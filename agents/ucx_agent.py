@@ -50,10 +50,11 @@ import numpy as np
 
 from nixl_kv.agents import descriptors as entries
 from nixl_kv.agents import ucp_binding as ucp
+from nixl_kv.agents.flat_agent import FlatAgent, FlatPrepared
 from nixl_kv.agents.ucx_config import bound_tcp_failures
 from nixl_kv.config import ENV_PREFIX
 from nixl_kv.errors import AgentError, NotSupportedError
-from nixl_kv.interfaces import TransferAgent, TransferStatus
+from nixl_kv.interfaces import TransferStatus
 from nixl_kv.layout import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -150,17 +151,6 @@ class _Peer:
 
 
 @dataclass(eq=False)
-class UcxPrepared:
-    """A prepared descriptor list: one entry per unit and, for a peer's list, the region of each entry."""
-
-    owner: str | None
-    peer: _Peer | None
-    addresses: np.ndarray  # uint64
-    lengths: np.ndarray  # uint64
-    regions: np.ndarray  # int64; the peer's region of each entry (0 for local lists)
-
-
-@dataclass(eq=False)
 class UcxTransfer:
     """A READ: its GETs in flight (reaped in order), then its notification, if any."""
 
@@ -186,11 +176,15 @@ class _Registration:
     rkey: bytes
 
 
-class UcxAgent(TransferAgent):
+class UcxAgent(FlatAgent):
     """A UCP worker with mapped memory and endpoints to loaded peers, plus the bookkeeping ``close`` releases.
 
     Thread-safe: one lock serializes every call into the worker; the agent's progress thread takes it too.
     """
+
+    LABEL = "UCX"
+    DRAM_ONLY = "the UCX agent moves DRAM only; VRAM needs UCX's CUDA transports, not wired in"
+    FOREIGN = "the lists were not prepared by a UCX agent"
 
     def __init__(self, name: str, progress_thread: bool = False, timeout_s: float | None = None) -> None:
         """``progress_thread`` is accepted for the registry's call and ignored: the agent always runs its own
@@ -206,15 +200,15 @@ class UcxAgent(TransferAgent):
         self.name = name
         self._timeout_s = timeout_s if timeout_s is not None else _env_timeout()
         self._lock = threading.Lock()
+        super().__init__(self._lock)
         self._worker = ucp.Worker(self._context)
         self._address = self._worker.address()
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._worker.set_am_handler(_AM_ID, self._received)
         self._registrations: list[_Registration] = []
-        self._prepared: set[UcxPrepared] = set()
         self._transfers: set[UcxTransfer] = set()  # not yet released by the caller
         self._running: set[UcxTransfer] = set()  # with GETs or a notification in flight
-        self._peers: dict[str, _Peer] = {}
+        self._remotes: dict[str, _Peer] = {}
         self._retired: list[_Peer] = []
         self._sends: list[tuple[int, ctypes.Array[ctypes.c_char]]] = []  # notify's messages in flight
         self._closing: list[int] = []  # endpoint close requests in flight
@@ -230,7 +224,7 @@ class UcxAgent(TransferAgent):
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
-            _check_memory(region.memory)
+            self._check_memory(region.memory)
         with self._lock:
             self._check_open("register memory")
             for region in regions:
@@ -253,62 +247,26 @@ class UcxAgent(TransferAgent):
             )
         with self._lock:
             self._check_open(f"load agent {name}")
-            loaded = self._peers.get(name)
+            loaded = self._remotes.get(name)
             if loaded is not None and loaded.metadata == metadata and not loaded.failed:
                 return
             peer = self._connect(name, metadata, described)  # the old peer stays until the new one is whole
             if loaded is not None:
                 self._retire(loaded)
-            self._peers[name] = peer
+            self._remotes[name] = peer
 
     def forget_remote(self, name: str) -> None:
         with self._lock:
-            if (peer := self._peers.pop(name, None)) is not None:
+            if (peer := self._remotes.pop(name, None)) is not None:
                 self._retire(peer)
 
     def close_peer(self, name: str) -> bool:
         """Force-close the peer's endpoint (its GETs end CANCELED at the next progress), then retire it."""
         with self._lock:
-            if (peer := self._peers.pop(name, None)) is not None:
+            if (peer := self._remotes.pop(name, None)) is not None:
                 self._abort(peer, "the caller closed it")
                 self._retire(peer)
         return True
-
-    def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
-        what = f"UCX could not prepare descriptors of {owner or 'local memory'}"
-        _check_memory(memory)
-        addresses, lengths, _ = entries.checked(entries.expand, what, descriptors)
-        with self._lock:
-            peer = None if owner is None else self._peer(owner, what)
-            regions = self._regions(peer, addresses, lengths, what)
-            prepared = UcxPrepared(owner, peer, addresses, lengths, regions)
-            self._prepared.add(prepared)
-        return prepared
-
-    def release_prepared(self, prepared: Any) -> None:
-        self._prepared.discard(prepared)
-
-    def read(
-        self,
-        local: Any,
-        local_indices: np.ndarray,
-        remote: Any,
-        remote_indices: np.ndarray,
-        notification: bytes,
-    ) -> Any:
-        what = "UCX could not create READ"
-        if not isinstance(local, UcxPrepared) or not isinstance(remote, UcxPrepared):
-            raise AgentError(f"{what}: the lists were not prepared by a UCX agent")
-        if local.owner is not None or remote.peer is None:
-            raise AgentError(f"{what}: needs a local and a remote descriptor list")
-        local_at = entries.checked(entries.picked, what, local_indices, len(local.addresses))
-        remote_at = entries.checked(entries.picked, what, remote_indices, len(remote.addresses))
-        if len(local_at) != len(remote_at) or not np.array_equal(local.lengths[local_at], remote.lengths[remote_at]):
-            raise AgentError(f"{what}: local and remote entries differ in number or length")
-        runs = _runs(
-            local.addresses[local_at], remote.addresses[remote_at], local.lengths[local_at], remote.regions[remote_at]
-        )
-        return self._post(remote.peer, runs, notification, what)
 
     def read_ranges(
         self,
@@ -321,7 +279,7 @@ class UcxAgent(TransferAgent):
     ) -> Any:
         what = f"UCX could not create READ from {peer}"
         for memory in (local_memory, remote_memory):
-            _check_memory(memory)
+            self._check_memory(memory)
         local, remote = (entries.checked(entries.table, what, rows, (3,)) for rows in (local_rows, remote_rows))
         if len(local) != len(remote) or not np.array_equal(local[:, 1], remote[:, 1]):
             raise AgentError(f"{what}: local and remote rows differ in number or length")
@@ -386,9 +344,9 @@ class UcxAgent(TransferAgent):
             self._sends.clear()
             self._transfers.clear()
             self._prepared.clear()
-            for peer in list(self._peers.values()):
+            for peer in list(self._remotes.values()):
                 self._retire(peer)
-            self._peers.clear()
+            self._remotes.clear()
             self._progress_until(lambda: not self._closing, "endpoints to close")
             for request in self._closing:
                 ucp.request_free(request)
@@ -402,15 +360,18 @@ class UcxAgent(TransferAgent):
             self._context.cleanup()
             self._closed = True
 
-    @property
-    def live_handles(self) -> dict[str, int]:
-        """What the agent still holds (tests assert it is all zero after close)."""
-        return {
-            "transfers": len(self._transfers),
-            "prepared": len(self._prepared),
-            "remotes": len(self._peers),
-            "registrations": len(self._registrations),
-        }
+    def _admit(
+        self, owner: str | None, addresses: np.ndarray, lengths: np.ndarray, what: str
+    ) -> tuple[_Peer | None, np.ndarray]:
+        peer = None if owner is None else self._peer(owner, f"UCX could not {what}")
+        return peer, self._regions(peer, addresses, lengths, f"UCX could not {what}")  # a peer's: its rkeys' indices
+
+    def _read_lists(self, local: FlatPrepared, remote: FlatPrepared, notification: bytes) -> UcxTransfer:
+        what = "UCX could not create READ"
+        if len(local.addresses) != len(remote.addresses) or not np.array_equal(local.lengths, remote.lengths):
+            raise AgentError(f"{what}: local and remote entries differ in number or length")
+        runs = _runs(local.addresses, remote.addresses, local.lengths, remote.regions)
+        return self._post(remote.peer, runs, notification, what)
 
     def _serve(self) -> None:
         """The progress thread: progress while UCX has work, then sleep on the armed event fd."""
@@ -529,7 +490,7 @@ class UcxAgent(TransferAgent):
 
     def _endpoint_failed(self, endpoint: int, status: int) -> None:
         """Runs inside ``progress`` when UCX found an endpoint broken (error mode PEER): its peer is failed."""
-        for peer in [*self._peers.values(), *self._retired]:
+        for peer in [*self._remotes.values(), *self._retired]:
             if peer.endpoint == endpoint:
                 peer.failed = status
                 level = logging.WARNING if peer.users else logging.INFO  # a peer that closed first is no news
@@ -595,7 +556,7 @@ class UcxAgent(TransferAgent):
     def _peer(self, name: str, what: str) -> _Peer:
         self._check_open(what)
         try:
-            return self._peers[name]
+            return self._remotes[name]
         except KeyError:
             raise AgentError(f"{what}: agent {name!r} is not loaded") from None
 
@@ -612,15 +573,8 @@ class UcxAgent(TransferAgent):
     def _regions(self, peer: _Peer | None, addresses: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
         """The region of each entry (the peer's, or this agent's registrations); AgentError for one outside all."""
         spans = peer.spans if peer is not None else [(r.address, r.nbytes) for r in self._registrations]
-        regions = entries.region_of(addresses, lengths, spans)
-        if len(outside := np.flatnonzero(regions < 0)):
-            first = int(outside[0])
-            owner = f"agent {peer.name}'s" if peer is not None else "this agent's"
-            raise AgentError(
-                f"{what}: entry {first} ({int(addresses[first]):#x}, {int(lengths[first])} bytes) is not inside"
-                f" {owner} registered memory"
-            )
-        return regions
+        owner = f"agent {peer.name}'s" if peer is not None else "this agent's"
+        return entries.located(what, addresses, lengths, spans, f"{owner} registered memory")
 
 
 _Runs = tuple[list[int], list[int], list[int], list[int]]
@@ -651,8 +605,3 @@ def _env_timeout() -> float:
         return max(0.001, float(os.environ[TIMEOUT_ENV]))
     except (KeyError, ValueError):
         return _TIMEOUT_S
-
-
-def _check_memory(memory: MemoryKind) -> None:
-    if memory is not MemoryKind.DRAM:
-        raise NotSupportedError("the UCX agent moves DRAM only; VRAM needs UCX's CUDA transports, not wired in")
