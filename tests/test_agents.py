@@ -428,6 +428,24 @@ class PeerProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
 
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, returning once every thread of the peer is stopped: a signal is delivered asynchronously, and a
+        peer still running for a moment answered a READ posted right after it (once, in a full suite run)."""
+        self.process.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + timeout_s
+        while not all(_thread_state(task) in ("T", "t") for task in tasks.iterdir()):
+            assert time.monotonic() < deadline, f"the peer did not stop within {timeout_s} s"
+            time.sleep(0.001)
+
+
+def _thread_state(task: Path) -> str:
+    """A thread's state letter from /proc (the field after the command's closing parenthesis); gone counts as T."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "T"
+
 
 def test_read_from_a_dead_peer_fails_within_a_deadline(
     kind: AgentKind, make: Factory, inbox: Inbox, tmp_path: Path, request: pytest.FixtureRequest
@@ -500,7 +518,7 @@ def test_close_peer_ends_the_reads_of_a_peer_that_answers_nothing_or_leaves_them
         assert inbox.wait(gen, transfer) is TransferStatus.DONE and gen.release_transfer(transfer)
         assert np.array_equal(target, pattern)
         target[:] = 0
-        peer.process.send_signal(signal.SIGSTOP)
+        peer.stop()
         transfer = read()
         assert inbox.wait(gen, transfer, timeout_s=0.5) is TransferStatus.IN_PROGRESS
         started = time.monotonic()
@@ -554,7 +572,7 @@ def test_a_read_from_a_host_that_vanished_ends_failed_within_seconds(
         local = gen.prepare(None, _strided(target), MemoryKind.DRAM)
         rows = np.array([[peer.address, SEGMENT, 0, SEGMENT, nbytes // SEGMENT]], dtype=np.uint64)
         remote = gen.prepare("vanishing-peer", rows, MemoryKind.DRAM)
-        peer.process.send_signal(signal.SIGSTOP)  # so that the READ is surely in flight when the host goes
+        peer.stop()  # so that the READ is surely in flight when the host goes
         transfer = gen.read(local, np.arange(16), remote, np.arange(16), b"")
         assert inbox.wait(gen, transfer, timeout_s=0.5) is TransferStatus.IN_PROGRESS
         host.die()
@@ -701,7 +719,7 @@ def test_ucx_stopped_peer_fails_at_the_deadline_and_stays_refused(
         local = gen.prepare(None, _strided(target), MemoryKind.DRAM)
         rows = np.array([[peer.address, SEGMENT, 0, SEGMENT, nbytes // SEGMENT]], dtype=np.uint64)
         remote = gen.prepare("stopped-peer", rows, MemoryKind.DRAM)
-        peer.process.send_signal(signal.SIGSTOP)
+        peer.stop()
         started = time.monotonic()
         transfer = gen.read(local, np.arange(16), remote, np.arange(16), b"never")
         assert Inbox([gen]).wait(gen, transfer, timeout_s=DEADLINE_S) is TransferStatus.FAILED
