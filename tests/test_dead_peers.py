@@ -229,13 +229,7 @@ def test_600_dead_ctx_peers_flooding_a_gen_release_its_blocks_and_do_not_hold_up
             engine.submit_dead(rid, cloned)
         del clones[:20]
         engine.live_round(engine.figures.during_s)
-    engine.until_released(live=True)
-    figures = engine.settle()
-    for _ in range(BASELINE_ROUNDS):
-        engine.live_round(figures.after_s)
-    print(figures.line("600 dead ctx peers"))
-    _assert_targets(figures)
-    assert world.close() == NOTHING_LEFT
+    _settle_and_check(engine, world, "600 dead ctx peers")
 
 
 def test_a_ctx_killed_with_50_reads_in_flight_releases_them_and_does_not_hold_up_live_requests(
@@ -254,11 +248,17 @@ def test_a_ctx_killed_with_50_reads_in_flight_releases_them_and_does_not_hold_up
         engine.poll()
     assert agent.live_handles["transfers"] >= 50 and world.gen.transceiver._receiver.pending == 50  # in flight
     world.host.die()
+    _settle_and_check(engine, world, "ctx killed with 50 READs in flight")
+
+
+def _settle_and_check(engine: Engine, world: World, name: str) -> None:
+    """After the event: every dead request's blocks back (or their grace passed), the live rounds after it, the
+    figures printed and held to the targets, and nothing left once the world closes."""
     engine.until_released(live=True)
     figures = engine.settle()
     for _ in range(BASELINE_ROUNDS):
         engine.live_round(figures.after_s)
-    print(figures.line("ctx killed with 50 READs in flight"))
+    print(figures.line(name))
     _assert_targets(figures)
     assert world.close() == NOTHING_LEFT
 
