@@ -36,7 +36,7 @@ LIVE_TOKENS = 40
 DEAD_TOKENS = 16
 BASELINE_ROUNDS = 150
 NOISE = 2.0  # the ratios asserted are the targets times this (2 cores shared with other work); RELIABILITY has the real
-EARLY_S = 0.25  # how late after its deadline a dead request may be reported ended (the progress loop's tick, load)
+LATE_S = 0.05  # how late after its deadline a dead request may be reported ended on a loaded machine (target: 0)
 RELEASE_S = 1.0  # the target: blocks free and unpoisoned within the deadline plus this
 
 
@@ -265,6 +265,6 @@ def _settle_and_check(engine: Engine, world: World, name: str) -> None:
 
 def _assert_targets(figures: Figures) -> None:
     assert figures.wrong_elements == 0
-    assert max(figures.dead_late_s) <= EARLY_S, figures.dead_late_s
+    assert max(figures.dead_late_s) <= LATE_S, figures.dead_late_s
     assert max(figures.released_late_s) <= RELEASE_S, sorted(figures.released_late_s)[-5:]
     assert figures.ratio(0.5) <= 2 * NOISE and figures.ratio(0.99) <= 5 * NOISE, figures.line("ratios")

@@ -20,7 +20,7 @@ from nixl_kv.gen import finish, gather
 from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.prove import Prove
 from nixl_kv.gen.pull import Pull, Step
-from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, too_late_to_start
+from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, give_up_at, start_by, too_late_to_start, why_expired
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.interfaces import PeerRead, TransferStatus
 from nixl_kv.loop import IDLE_WAIT_S
@@ -36,7 +36,7 @@ CALLER_HANDOFF_S = 1e-3  # the loop thread progresses direct pulls the caller's 
 SPIN_GBPS = {"DRAM": 2.0, "VRAM": 100.0}  # a conservative READ rate: how long a caller spins before it sleeps
 SPIN_BASE_S = 300e-6  # at least this, and twice the fixed cost direct requests showed lately (EWMA)
 MAX_SPIN_S = 5e-3
-EXPIRE_BATCH = 16  # direct requests failed at their deadline per progress-loop tick
+EXPIRE_SLICE_S = 2e-3  # the longest the loop thread ends expired direct requests for before it lets the lock go
 CONNECT_RECHECK_S = 0.05  # a pull waiting for its peer is woken when the peer directory is done; else polled this often
 
 Unit = tuple[RequestKey, int]  # (request, ctx peer rank): one pull
@@ -51,7 +51,7 @@ class DirectPulls:
         self.lock = threading.RLock()  # the direct pulls: the caller's thread or the loop thread
         self._queue: PollQueue[Unit, tuple[Incoming, Pull]] = PollQueue()
         self.by_transfer: dict[int, tuple[Incoming, Pull]] = {}  # pulls that may get a verdict
-        self._deadlines: list[tuple[float, RequestKey]] = []
+        self._deadlines: list[tuple[float, RequestKey]] = []  # when to look at a request next (``_expire``)
         self._connecting: dict[str, set[Unit]] = {}  # peer -> direct pulls waiting for it
         self._changed_peers: collections.deque[str] = collections.deque()  # from the peer directory's thread
         self._caller_polled_at = 0.0
@@ -73,7 +73,7 @@ class DirectPulls:
             if all(pull.step is Step.DONE for pull in incoming.pulls):
                 finish.end(self._side, incoming, None)
                 return
-            heapq.heappush(self._deadlines, (incoming.deadline, incoming.key))
+            heapq.heappush(self._deadlines, (start_by(incoming), incoming.key))
 
     def _post_when_ready(self, incoming: Incoming, pull: Pull) -> None:
         """Post now if the peer is ready (loaded, its lists prepared); else wait for it (CONNECT) while the peer
@@ -345,22 +345,23 @@ class DirectPulls:
 
     # --- ending -----------------------------------------------------------------------------------------
     def _expire(self, now: float) -> bool:
-        """Fail the direct requests past their deadline, at most EXPIRE_BATCH per call: the lock is let go between
-        batches, so that hundreds due at once (a flood to dead peers) do not stall the live requests' polling.
-        Returns whether more are due."""
+        """End the direct requests whose time is up (``why_expired``): each is looked at when it must start its
+        READs by (it ends then if a pull still waits for its peer) and when a READ in flight is given up. The lock
+        is held for at most EXPIRE_SLICE_S at a time, so that hundreds due at once (a flood to dead peers) neither
+        wait for many loop ticks nor stall the live requests' polling. Returns whether more are due."""
         if not self._deadlines or self._deadlines[0][0] > now:
             return False  # nothing due: no lock taken (a spinning caller holds it often)
         with self.lock:
-            for _ in range(EXPIRE_BATCH):
-                if not self._deadlines or self._deadlines[0][0] > now:
-                    return False
+            stop = time.monotonic() + EXPIRE_SLICE_S
+            while self._deadlines and self._deadlines[0][0] <= now and time.monotonic() < stop:
                 _, key = heapq.heappop(self._deadlines)
                 incoming = self._side.requests.get(key)
-                if incoming is not None and incoming.fast and not incoming.future.done():
-                    waiting = [
-                        f"{p.rank.agent_name} ({p.step.value})" for p in incoming.pulls if p.step is not Step.DONE
-                    ]
-                    self.fail(incoming, f"deadline passed waiting for {', '.join(waiting)}")
+                if incoming is None or not incoming.fast or incoming.future.done():
+                    continue
+                if reason := why_expired(incoming, now):
+                    self.fail(incoming, reason)
+                else:  # looked at when it had to start by: next, when its READs are given up
+                    heapq.heappush(self._deadlines, (give_up_at(incoming), key))
             return bool(self._deadlines) and self._deadlines[0][0] <= now
 
     def fail(self, incoming: Incoming, reason: str) -> None:

@@ -1,4 +1,5 @@
-"""Posting READs to a ctx peer, and timing them: a peer whose large READs crawl is warned about once."""
+"""Posting READs to a ctx peer and timing them (a peer whose large READs crawl is warned about once); when a request
+must start its READs by, and when one still in flight is given up."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nixl_kv.errors import AgentError
+from nixl_kv.gen.pull import Step
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.state import RankCommInfo
 
@@ -21,6 +23,8 @@ LONG_RUN_BYTES = 1 << 20  # state READs are timed for the transport check only i
 # transport ends it (NIXL: ~1 s, ``ucx_config``).
 MIN_READ_BUDGET_S = 0.2
 MIN_READ_BUDGET_PART = 0.25
+GIVE_UP_AHEAD_S = 0.02  # a READ still in flight is given up this long before its deadline (or this part of the budget)
+GIVE_UP_AHEAD_PART = 0.01
 
 
 class Reads:
@@ -68,6 +72,31 @@ class Reads:
             )  # fmt: skip
 
 
-def too_late_to_start(incoming: Incoming, now: float) -> bool:
+def start_by(incoming: Incoming) -> float:
+    """After this, no READ of the request starts (it would outlive its request)."""
     budget = incoming.deadline - incoming.request.transfer_start
-    return now > incoming.deadline - min(MIN_READ_BUDGET_S, MIN_READ_BUDGET_PART * budget)
+    return incoming.deadline - min(MIN_READ_BUDGET_S, MIN_READ_BUDGET_PART * budget)
+
+
+def give_up_at(incoming: Incoming) -> float:
+    """When a READ still in flight is given up: a little before the deadline, so that the request is reported ended
+    by its deadline even when the thread that ends it was kept from the CPU or the GIL for a while."""
+    budget = incoming.deadline - incoming.request.transfer_start
+    return incoming.deadline - min(GIVE_UP_AHEAD_S, GIVE_UP_AHEAD_PART * budget)
+
+
+def too_late_to_start(incoming: Incoming, now: float) -> bool:
+    return now > start_by(incoming)
+
+
+def why_expired(incoming: Incoming, now: float) -> str | None:
+    """Why the request must end now, or None: past ``give_up_at``; or past ``start_by`` with a pull still waiting
+    for its peer (it could not start its READ any more, so it ends now rather than at the deadline)."""
+    if now > give_up_at(incoming):
+        prefix = "deadline passed"
+    elif now > start_by(incoming) and any(pull.step is Step.CONNECT for pull in incoming.pulls):
+        prefix = "too close to the deadline to start a READ"
+    else:
+        return None
+    waiting = [f"{p.rank.agent_name} ({p.step.value})" for p in incoming.pulls if p.step is not Step.DONE]
+    return f"{prefix} waiting for {', '.join(waiting)}"

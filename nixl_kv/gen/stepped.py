@@ -16,7 +16,7 @@ import numpy as np
 from nixl_kv.errors import BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.gen import finish
 from nixl_kv.gen.pull import IN_TRANSFER, Pull, Step
-from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, too_late_to_start
+from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, too_late_to_start, why_expired
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.peers import kv_list
@@ -54,9 +54,8 @@ class SteppedPulls:
                     return
         if all(pull.step is Step.DONE for pull in incoming.pulls):
             self._end(incoming, None)
-        elif now > incoming.deadline:
-            waiting = [f"{p.rank.agent_name} ({p.step.value})" for p in incoming.pulls if p.step is not Step.DONE]
-            self.fail(incoming, f"deadline passed waiting for {', '.join(waiting)}")
+        elif reason := why_expired(incoming, now):
+            self.fail(incoming, reason)
 
     def _advance_pull(self, incoming: Incoming, pull: Pull, now: float) -> None:
         if pull.step in (Step.CONNECT, Step.LAYERS, Step.SLOT):
