@@ -44,7 +44,8 @@ def test_two_namespaces_with_faults_a_mixed_pairing_deadlines_a_stopped_and_a_ki
         assert row[4] == "0", row  # every request ended as its fault (or none) says it must
     assert int(clean[1]) == 60 and faulty[3] != "-" and mixed[3] != "-"  # faults were injected in those phases
     assert stopped[3] == "4 ctx-stop" and int(stopped[1]) == 56  # the stopped round's requests failed: stopped past the
-    assert stopped[6].startswith("3.0")  # lease and ended by their deadline; the rounds after it verified
+    assert 2.9 <= float(stopped[6].split()[0]) <= 3.05  # lease and ended by their deadline (a READ in flight is given
+    # up 1% of the budget, at most 20 ms, ahead of it), not long before it; the rounds after it verified
     assert killed[3] == "4 ctx-kill" and int(killed[1]) == 28  # the requests of the round it died in failed
     assert 500 <= int(down[1]) < 600  # requests in flight while the link was down failed by their deadline
     assert int(deadline[2]) > 0 and float(deadline[6].split()[0]) <= 0.7  # requests that missed it ended by then
