@@ -8,6 +8,7 @@ notifications every ``--peer-poll-us`` (as nixl_kv's progress loop does while re
 - a READ after a notification to the peer sent by the same agent (progressed for 0.5 ms after it);
 - a READ after a notification sent by a second agent of the same process (its own UCX worker and endpoint),
   progressed alike;
+- the second READ after such a notification (the first, untimed, went just before it);
 - a READ carrying its own notification (NIXL sends it once the READ is over).
 
 It prints each case's p50 and its ratio to the READ alone. Usage:
@@ -32,6 +33,7 @@ from nixl_kv.layout import MemoryKind, MemoryRegion
 
 PEER = "taint-peer"
 SETTLE_S = 500e-6  # how long the sender is progressed after its notification, before the READ is posted
+READ_TIMEOUT_S = 10.0  # a READ not done by then ends the run (a loopback READ takes microseconds)
 
 
 def serve_peer(nbytes: int, poll_s: float, ready: Any, stop: Any) -> None:
@@ -51,21 +53,28 @@ def serve_peer(nbytes: int, poll_s: float, ready: Any, stop: Any) -> None:
     agent.close()
 
 
-def timed_reads(agent: NixlAgent, lists: tuple[Any, Any], repeats: int, before: Callable[[], None], note: bytes):
-    """Microseconds of each READ (post to DONE), ``before`` run ahead of each (untimed)."""
+def read_once(agent: NixlAgent, lists: tuple[Any, Any], note: bytes = b"") -> float:
+    """Seconds of one READ of the whole buffer, post to DONE; RuntimeError if it fails or outlives READ_TIMEOUT_S."""
     local, remote = lists
     index = np.array([0], dtype=np.int32)
+    start = time.perf_counter()
+    transfer = agent.read(local, index, remote, index, note)
+    deadline = start + READ_TIMEOUT_S
+    while (state := agent.status(transfer)) is TransferStatus.IN_PROGRESS and time.perf_counter() < deadline:
+        pass
+    seconds = time.perf_counter() - start
+    agent.release_transfer(transfer)
+    if state is not TransferStatus.DONE:
+        raise RuntimeError(f"READ ended {state.value} after {seconds:.1f} s")
+    return seconds
+
+
+def timed_reads(agent: NixlAgent, lists: tuple[Any, Any], repeats: int, before: Callable[[], None], note: bytes):
+    """Microseconds of each READ, ``before`` run ahead of each (untimed)."""
     seconds = []
     for _ in range(repeats):
         before()
-        start = time.perf_counter()
-        transfer = agent.read(local, index, remote, index, note)
-        while (state := agent.status(transfer)) is TransferStatus.IN_PROGRESS:
-            pass
-        seconds.append(time.perf_counter() - start)
-        agent.release_transfer(transfer)
-        if state is not TransferStatus.DONE:
-            raise RuntimeError(f"READ ended {state}")
+        seconds.append(read_once(agent, lists, note))
     return [s * 1e6 for s in seconds]
 
 
@@ -103,10 +112,12 @@ def main() -> None:
 
         return before
 
+    after_reader = notify_and_progress(reader)
     cases = [
         ("READ alone", lambda: None, b""),
-        ("READ after a notification (same agent)", notify_and_progress(reader), b""),
+        ("READ after a notification (same agent)", after_reader, b""),
         ("READ after a notification (second agent)", notify_and_progress(other), b""),
+        ("second READ after a notification (same agent)", lambda: (after_reader(), read_once(reader, lists)), b""),
         ("READ carrying a notification", lambda: None, message),
     ]
     try:
@@ -119,6 +130,8 @@ def main() -> None:
     finally:
         stop.put(True)
         peer.join(timeout=30)
+        if peer.is_alive():
+            peer.kill()
         reader.close()
         other.close()
     ceiling = results[0][1]
