@@ -3,6 +3,7 @@ compiled core (``nixl_kv._core`` over NIXL's C API; ``nixl_core`` finds and load
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -60,7 +61,12 @@ class NixlAgent(TransferAgent):
     """A NIXL agent through the compiled core (``nixl_kv._core``, NIXL's C API), plus the bookkeeping that lets
     ``close`` release everything it created.
 
-    Thread-safe: NIXL's strict synchronization mode serializes calls into the agent, so the caller's thread can
+    Two NIXL agents of one name stand behind it: the data agent posts READs and receives notifications; the control
+    agent, with a UCX worker and endpoints of its own, sends every notification. A notification sent on the READ's
+    endpoint slowed the next READ to that peer 4-5x (``scripts/bench_notify_taint.py``); peers see one name, and
+    answer it on the data agent, whose metadata is the one they load.
+
+    Thread-safe: NIXL's strict synchronization mode serializes calls into each agent, so the caller's thread can
     post and check READs while the progress loop polls notifications. Each call releases the GIL once.
     """
 
@@ -72,6 +78,7 @@ class NixlAgent(TransferAgent):
         bound_tcp_failures()
         self.name = name
         self._agent = core().Agent(name, tuple(backends), progress_thread)
+        self._control = core().Agent(name, tuple(backends), False)
         self._prepared: dict[int, tuple[Any, str | None]] = {}  # by id: the list and the peer it describes
         self._transfers: dict[Any, str] = {}  # not yet released -> the peer it reads from
         self._remotes: set[str] = set()
@@ -90,12 +97,21 @@ class NixlAgent(TransferAgent):
     def load_remote(self, metadata: bytes, name: str) -> None:
         if not isinstance(metadata, bytes):
             raise AgentError(f"NIXL metadata must be bytes, not {type(metadata).__name__}")
-        loaded = self._agent.load_remote(unseal_metadata(metadata))  # the name the metadata holds, as bytes
+        body = unseal_metadata(metadata)
+        loaded = self._agent.load_remote(body)  # the name the metadata holds, as bytes
         try:
             described = loaded.decode()
         except UnicodeDecodeError:
             described = None
         if described == name:
+            try:
+                self._control.load_remote(body)
+            except AgentError:
+                if name not in self._remotes:
+                    self._agent.invalidate_remote(loaded)
+                raise
+            with contextlib.suppress(AgentError):  # now, so the first notification to it does not wait for UCX's
+                self._control.connect(name)  # wire-up (the peer's answers must not miss short deadlines)
             self._remotes.add(name)
             return
         if described not in self._remotes:  # loaded by this call alone (a name loaded before stays as it was)
@@ -109,11 +125,13 @@ class NixlAgent(TransferAgent):
 
     def connect(self, name: str) -> None:
         self._agent.connect(name)
+        self._control.connect(name)
 
     def forget_remote(self, name: str) -> None:
         if name in self._remotes:
             self._remotes.discard(name)
             self._agent.invalidate_remote(name.encode())
+            self._control.invalidate_remote(name.encode())
 
     def close_peer(self, name: str) -> bool:
         """NIXL can only remove the remote agent, and that closes its UCX endpoints gracefully: READs in flight then
@@ -192,11 +210,14 @@ class NixlAgent(TransferAgent):
         return True
 
     def notify(self, peer: str, message: bytes) -> None:
-        self._agent.notify(peer, message)
+        """Through the control agent: never on the endpoint the READs from ``peer`` use."""
+        self._control.notify(peer, message)
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
+        """The data agent's notifications (the control agent is polled too: its sends complete as it progresses,
+        and nothing is addressed to it)."""
         found = []
-        for sender, message in self._agent.notifications():
+        for sender, message in self._agent.notifications() + self._control.notifications():
             try:
                 found.append((sender.decode(), message))
             except UnicodeDecodeError:  # no peer of ours has such a name: nothing could answer it
@@ -221,6 +242,7 @@ class NixlAgent(TransferAgent):
             self._agent.deregister_all()
         except AgentError as exc:
             log.warning("deregistration failed: %s", exc)
+        self._control.close()
 
     @property
     def live_handles(self) -> dict[str, int]:
