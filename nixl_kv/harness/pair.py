@@ -192,6 +192,7 @@ class PairReport:
     raw_bytes: int = 0
     raw_request_seconds: list[float] = field(default_factory=list)  # one descriptor of one request's bytes
     raw_request_bytes: int = 0
+    cpu_s: dict[str, list[float]] = field(default_factory=lambda: {"ctx": [], "gen": []})  # per round, all ranks
     ctx_errors: dict[str, str] = field(default_factory=dict)
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
@@ -227,6 +228,13 @@ class PairReport:
     def steady_latencies_s(self) -> list[float]:
         """Latencies of the requests of every round but the first (which pays first contact), or of the only one."""
         return [r.latency_s for r in self.steady_results() if r.latency_s is not None]
+
+    def cpu_us_per_request(self, role: str) -> float | None:
+        """The side's CPU microseconds (every process and thread of it) over the rounds after the first, per request:
+        the gen's over each pull, the ctx's from responding until every reader was counted."""
+        rounds = steady_rounds(self.cpu_s[role])
+        count = len(self.steady_results())
+        return 1e6 * sum(rounds) / count if rounds and count else None
 
     def request_bytes(self) -> int | None:
         """The bytes every steady request moved, None where they differ (or none has a latency): a raw READ of one
@@ -270,6 +278,8 @@ class PairReport:
             "raw_request_read_p50_us": raw_request_p50,
             "extra_over_raw_us": p50 - raw_request_p50 if p50 is not None and raw_request_p50 is not None else None,
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
+            "gen_cpu_us_per_request": self.cpu_us_per_request("gen"),
+            "ctx_cpu_us_per_request": self.cpu_us_per_request("ctx"),
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
             "faults": {
@@ -521,6 +531,8 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
         ctx.send(op="settle")
         settled = ctx.expect("settled", options.step_timeout_s)
         report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
+        report.cpu_s["ctx"].append(settled["cpu_s"])
+    report.cpu_s["gen"].append(received["cpu_s"])
     report.round_seconds.append(received["seconds"])
     report.round_bytes.append(sum(r["bytes"] for r in received["results"]))
     tokens = dict(zip(ids, options.requests, strict=True))
@@ -545,7 +557,7 @@ def _measure_raw(
     request_repeats = RAW_REQUEST_READ_REPEATS if request_bytes else 0
     ctx.send(op="baseline_source", nbytes=nbytes)
     source = ctx.expect("baseline_source", timeout_s)
-    ctx.send(op="baseline_serve", repeats=2 * RAW_READ_REPEATS + request_repeats)
+    ctx.send(op="baseline_serve", repeats=1)  # the reader's last READ signals; the timed ones carry no notification
     gen.send(
         op="baseline_read",
         metadata=source["metadata"],
@@ -597,6 +609,11 @@ def format_table(report: PairReport) -> str:
         )
     elif s["latency_p50_us"] is not None and s["raw_read_gbps"] is not None:
         lines.append("over its READ: not measured (the requests differ in size: no raw READ of the same bytes)")
+    if s["gen_cpu_us_per_request"] is not None and s["ctx_cpu_us_per_request"] is not None:
+        lines.append(
+            f"CPU per request: gen {s['gen_cpu_us_per_request']:.0f} µs, ctx {s['ctx_cpu_us_per_request']:.0f} µs "
+            "(every thread, rounds after the first)"
+        )
     if s["ctx_errors"]:
         lines.append(f"ctx side errors: {s['ctx_errors']}")
     if report.leaked:

@@ -340,6 +340,7 @@ class Instance:
             for request in batch:
                 self.transceiver.respond_and_send_async(request)
         self.requests.extend(batch)
+        self.cpu_mark = time.process_time()  # settle counts the CPU from here: the pull, not the harness's fill
         return [(r.request_id, base64.b64encode(r.context_phase_params).decode()) for r in batch]
 
     def cancel(self, request_ids: list[int]) -> None:
@@ -349,18 +350,21 @@ class Instance:
             if request.request_id in wanted:
                 self.transceiver.cancel_request(request)
 
-    def settle(self) -> dict[int, str]:
+    def settle(self) -> tuple[dict[int, str], float]:
+        """Errors of the batch's requests, and this process's CPU seconds since they were responded to."""
         self.transceiver.check_context_transfer_status(None, mark_complete=True)
+        cpu_s = time.process_time() - self.cpu_mark
         errors = {r.request_id: r.error or "" for r in self.requests if r.state is not RequestState.CONTEXT_COMPLETE}
         for request in self.requests:
             self._free(request.request_id)
         self.requests.clear()
-        return errors
+        return errors, cpu_s
 
     # --- gen ---------------------------------------------------------------------------------------------
-    def receive(self, items: list[list[Any]]) -> tuple[float, list[dict[str, Any]]]:
+    def receive(self, items: list[list[Any]]) -> tuple[float, float, list[dict[str, Any]]]:
         """Items are (gen request id, ctx request id, tokens, params, fault); this rank's share of all is pulled at
-        once. ``fault`` (harness.faults) is injected into that request."""
+        once. ``fault`` (harness.faults) is injected into that request. Returns the pull's seconds, this process's
+        CPU seconds over it (every thread; not the harness's allocation and verification), and the results."""
         mine, faults = [], {}
         for index, (gen_id, ctx_id, num_tokens, params, fault) in enumerate(items):
             if self.holds(index):
@@ -377,14 +381,14 @@ class Instance:
                     gen_id, context_phase_params=data, reused_blocks=self.spec.reuse_prefix_blocks
                 )
                 mine.append((request, where))
-        start, started = time.perf_counter(), {}
+        start, started, cpu_start = time.perf_counter(), {}, time.process_time()
         for request, _ in mine:
             started[request.request_id] = time.perf_counter()
             self.transceiver.request_and_receive_async(request)
             if faults[request.request_id] == "cancel":
                 self.transceiver.cancel_request(request)
         completed_at = self._wait_all()
-        seconds = time.perf_counter() - start
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         results = []
         ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, *_ in items}
         for request, where in mine:
@@ -406,7 +410,7 @@ class Instance:
                 }
             )
             self._free(request.request_id)
-        return seconds, results
+        return seconds, cpu_s, results
 
     def _hold_prefix(self, gen_id: int, ctx_id: int, where: Slice) -> None:
         """Prefix reuse: the gen side already holds the first blocks (here: the content they must have)."""
@@ -549,7 +553,8 @@ class RawReadBaseline:
         emit(op="baseline_source", metadata=metadata, name=self.agent.name, row=self.row)
 
     def serve(self, repeats: int, timeout_s: float = 120.0) -> None:
-        """Make progress as the READ target (transports without hardware offload need it) until all reads end."""
+        """Make progress as the READ target (transports without hardware offload need it) until ``repeats``
+        notifications came (the reader's READs carry none but its last, untimed one)."""
         seen, deadline = 0, time.monotonic() + timeout_s
         while seen < repeats and time.monotonic() < deadline:
             seen += len(self.agent.poll_notifications())
@@ -576,6 +581,7 @@ class RawReadBaseline:
         request = []
         if 0 < request_bytes <= row[1] and request_repeats:
             request = self._timed(name, row, self.row, 1, request_bytes, request_repeats)
+        self._timed(name, row, self.row, 1, min(size, row[1]), 1, b"baseline")  # the target's signal: all done
         self.agent.forget_remote(name)
         emit(
             op="baseline_result",
@@ -586,8 +592,12 @@ class RawReadBaseline:
             request_nbytes=request_bytes if request else 0,
         )
 
-    def _timed(self, peer: str, remote_row: list[int], local_row: tuple, count: int, size: int, repeats: int):
-        """Seconds of each repeat: ``count`` READs of ``size`` bytes, each posted after the last one ended."""
+    def _timed(
+        self, peer: str, remote_row: list[int], local_row: tuple, count: int, size: int, repeats: int, note: bytes = b""
+    ) -> list[float]:
+        """Seconds of each repeat: ``count`` READs of ``size`` bytes, each posted after the last one ended; none
+        carries a notification (one would slow the next READ to the peer) but the last of all when ``note`` is
+        given."""
 
         def rows(base: list[int] | tuple) -> np.ndarray:
             return np.array([(base[0] + i * size, size, base[2]) for i in range(count)], dtype=np.uint64)
@@ -595,10 +605,10 @@ class RawReadBaseline:
         remote = self.agent.prepare(peer, rows(remote_row), self.memory)
         local = self.agent.prepare(None, rows(local_row), self.memory)
         seconds = []
-        for _ in range(repeats):
+        for repeat in range(repeats):
             start = time.perf_counter()
             for index in range(count):
-                notification = b"baseline" if index == count - 1 else b""
+                notification = note if (repeat, index) == (repeats - 1, count - 1) else b""
                 picked = np.array([index])
                 transfer = self.agent.read(local, picked, remote, picked, notification)
                 state, deadline = self.agent.status(transfer), time.perf_counter() + 60
@@ -646,17 +656,18 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
             elif op == "cancel":
                 instance.cancel(command["request_ids"])
             elif op == "settle":
-                errors = comm.allgather(instance.settle())
+                settled = comm.allgather(instance.settle())
                 if lead:
-                    emit(op="settled", errors={str(k): v for e in errors for k, v in e.items()})
+                    errors = {str(k): v for e, _ in settled for k, v in e.items()}
+                    emit(op="settled", errors=errors, cpu_s=sum(cpu for _, cpu in settled))
             elif op == "receive":
-                seconds, results = instance.receive(command["items"])
-                gathered = comm.allgather((seconds, results))
+                gathered = comm.allgather(instance.receive(command["items"]))
                 if lead:
                     emit(
                         op="received",
-                        seconds=max(s for s, _ in gathered),
-                        results=merge_results([r for _, r in gathered]),
+                        seconds=max(s for s, _, _ in gathered),
+                        cpu_s=sum(cpu for _, cpu, _ in gathered),
+                        results=merge_results([r for _, _, r in gathered]),
                     )
             elif lead and op == "baseline_source":
                 baseline = RawReadBaseline(role, command["nbytes"], spec.memory, instance.device_id, spec.backend)
