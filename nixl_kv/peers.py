@@ -361,7 +361,8 @@ class PeerDirectory:
     def ended(self, names: Iterable[str]) -> None:
         """A request that read (or would have read) from these peers ended: a fresh one that no active request
         needs any more gives its slot back (looked at on the worker, one walk for all those ended meanwhile)."""
-        fresh = [name for name in names if name in self._fresh]  # (read without the lock, as in ``proven``)
+        # (read without the lock, as in ``proven``; a peer still queued may be loaded after its last request ended)
+        fresh = [name for name in names if name in self._fresh or name in self._queued]
         if not fresh:
             return
         with self._lock:
