@@ -1,5 +1,5 @@
-"""Admit a request: the params' seal, their decoding, the request's secret, the ctx state (decoded and checked once
-per state: its pools against its cache state), the plan, and the pin of our destination blocks.
+"""Admit a request: the params' kind, size and seal, their decoding, the request's secret, the ctx state (decoded and
+checked once per state: its pools against its cache state), the plan, and the pin of our destination blocks.
 
 A request this rank cannot read fails as a whole before any byte moves, and its ctx ranks are told at once.
 """
@@ -13,7 +13,7 @@ from nixl_kv import wire
 from nixl_kv.errors import IncompatibleStateError, NixlKvError, TransferError
 from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.side import GenSide, Incoming
-from nixl_kv.params_seal import is_sealed
+from nixl_kv.params_seal import params_problem
 from nixl_kv.pool_checks import kv_pool_problems
 from nixl_kv.protocol import ReadDone
 from nixl_kv.requests import TransferRequest
@@ -35,8 +35,9 @@ class Admit:
         side, requests = self._side, self._side.requests
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
-        if not is_sealed(request.context_phase_params):  # damaged on the way (or not made by a ctx transceiver)
-            raise TransferError(f"the ContextPhaseParams of request {request.request_id} fail their checksum")
+        problem = params_problem(request.context_phase_params)  # not bytes, too long, or damaged on the way
+        if problem:
+            raise TransferError(f"the ContextPhaseParams of request {request.request_id} {problem}")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         if not params.secret:  # (nothing can tell its ctx side: a message without the secret is dropped there)
             raise TransferError(f"the params of request {request.request_id} carry no request secret")
