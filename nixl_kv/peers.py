@@ -294,8 +294,7 @@ class PeerDirectory:
             waited = time.monotonic() - self._queued.get(name, 0.0)
         if waited > UNWANTED_CHECK_S and name not in (self._wanted_agents() if wanted is None else wanted):
             with self._lock:
-                self._queued.pop(name, None)
-            self._on_change(name)  # a request that asked since looks again (and queues it again)
+                self._queued.pop(name, None)  # (a request that asked since queues it again at its next look)
             return
         if self._defer(rank, lists):
             return

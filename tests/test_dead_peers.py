@@ -147,20 +147,23 @@ class Engine:
             self.live_round(times, ctx)
 
     def until_released(self, live: bool, grace_s: float = 3.0) -> None:
-        """Live rounds (or polls) until every dead request's blocks are back, or its deadline plus ``grace_s``; the
-        first-contact slots taken are noted at the last deadline plus RELEASE_S."""
+        """Live rounds (or polls) until the last dead request's deadline plus RELEASE_S, when the first-contact slots
+        taken are noted (or at once, if that has passed), then until every dead request's blocks are back, or its
+        deadline plus ``grace_s``."""
         last = max(request.transfer_deadline for request in self.dead.values())
-        while time.monotonic() < last + RELEASE_S or (
-            not set(self.dead) <= set(self.gen.cache.released) and time.monotonic() < last + grace_s
-        ):
-            if live:
-                self.live_round(self.figures.during_s)
-            else:
-                self.poll(at_least=0)
-                time.sleep(0.005)
-            if self.figures.first_contacts < 0 and time.monotonic() >= last + RELEASE_S:
-                self.figures.first_contacts = self.gen.transceiver._peers.first_contacts
+        while time.monotonic() < last + RELEASE_S:
+            self._round(live)
+        self.figures.first_contacts = self.gen.transceiver._peers.first_contacts
+        while not set(self.dead) <= set(self.gen.cache.released) and time.monotonic() < last + grace_s:
+            self._round(live)
         self.poll()
+
+    def _round(self, live: bool) -> None:
+        if live:
+            self.live_round(self.figures.during_s)
+        else:
+            self.poll(at_least=0)
+            time.sleep(0.005)
 
     def settle(self) -> Figures:
         """Every dead request ended in error; when each ended and when its blocks came back, against its deadline."""
