@@ -84,16 +84,12 @@ class PeerDirectory:
         idle_s: float = PEER_IDLE_S,
         on_change: Callable[[str], None] = lambda name: None,
         evict_idle_s: float = EVICT_IDLE_S,
-        wanted_agents: Callable[[], set[str]] | None = None,
     ) -> None:
         """``on_change(name)`` runs on the worker after each job about a peer (it got ready, failed or was closed):
-        the receiver wakes the requests waiting for it, which poll nothing meanwhile. ``wanted_agents()``: the peers
-        an active request still reads or will read (``busy_agents`` less READs abandoned): a fresh peer none of
-        them needs gives its first-contact slot back."""
+        the receiver wakes the requests waiting for it, which poll nothing meanwhile."""
         self._agent = agent
         self._max_peers = max_peers
         self._busy_agents = busy_agents
-        self._wanted_agents = wanted_agents or busy_agents
         self._idle_s = idle_s
         self._evict_idle_s = evict_idle_s
         self._on_change = on_change
@@ -106,7 +102,7 @@ class PeerDirectory:
         self._closing: set[str] = set()  # a close is queued
         self._fresh: dict[str, float] = {}  # loaded, no READ from it done yet -> when it was loaded (see FRESH)
         self._deferred: collections.deque[tuple[RankCommInfo, tuple[bytes, ...]]] = collections.deque()
-        self._ended: set[str] = set()  # fresh peers a request of which ended since the last look (see ``ended``)
+        self._wanting: collections.Counter[str] = collections.Counter()  # gen requests admitted, not ended, per peer
         self._lock = threading.RLock()
         self._jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self._order = itertools.count()
@@ -284,18 +280,16 @@ class PeerDirectory:
             except queue.Empty:
                 self._resume()
 
-    def _warm_in_background(self, rank: RankCommInfo, lists: tuple[bytes, ...], wanted: set[str] | None = None) -> None:
-        """A loading ``ready`` queued; skipped once no active request needs the peer any more: after a flood of
-        requests to dead peers failed at their deadline, the loadings still queued for them cost nothing. (Only one
-        queued a while ago is looked up: the wanted set costs a walk over every active request; ``_resume`` passes
-        one for all the loadings it starts.)"""
+    def _warm_in_background(self, rank: RankCommInfo, lists: tuple[bytes, ...]) -> None:
+        """A loading ``ready`` queued; skipped once no active request needs the peer any more (``wanting``): after a
+        flood of requests to dead peers failed at their deadline, the loadings still queued for them cost nothing."""
         name = rank.agent_name
         with self._lock:
             waited = time.monotonic() - self._queued.get(name, 0.0)
-        if waited > UNWANTED_CHECK_S and name not in (self._wanted_agents() if wanted is None else wanted):
-            with self._lock:
+        with self._lock:
+            if waited > UNWANTED_CHECK_S and name not in self._wanting:
                 self._queued.pop(name, None)  # (a request that asked since queues it again at its next look)
-            return
+                return
         if self._defer(rank, lists):
             return
         started = time.monotonic()
@@ -332,15 +326,12 @@ class PeerDirectory:
 
     def _resume(self) -> None:
         """Start the loadings kept for later, newest first, as far as there is room (and as still wanted)."""
-        wanted: set[str] | None = None
         while True:
             with self._lock:
                 if not self._deferred or not self._room():
                     return
                 rank, lists = self._deferred.pop()
-            if wanted is None:
-                wanted = self._wanted_agents()  # (once: a flood leaves hundreds kept, most no longer wanted)
-            self._warm_in_background(rank, lists, wanted)
+            self._warm_in_background(rank, lists)
 
     @property
     def first_contacts(self) -> int:
@@ -357,27 +348,22 @@ class PeerDirectory:
             if freed and self._deferred:
                 self._submit(self._resume)
 
-    def ended(self, names: Iterable[str]) -> None:
-        """A request that read (or would have read) from these peers ended: a fresh one that no active request
-        needs any more gives its slot back (looked at on the worker, one walk for all those ended meanwhile)."""
-        # (read without the lock, as in ``proven``; a peer still queued may be loaded after its last request ended)
-        fresh = [name for name in names if name in self._fresh or name in self._queued]
-        if not fresh:
-            return
+    def wanting(self, names: Iterable[str]) -> None:
+        """A gen request admitted that reads (or will read) from these peers (until ``ended``)."""
         with self._lock:
-            first = not self._ended
-            self._ended.update(fresh)
-        if first:
-            self._submit(self._release_unwanted, urgent=True)
+            self._wanting.update(names)
 
-    def _release_unwanted(self) -> None:
+    def ended(self, names: Iterable[str]) -> None:
+        """A request ``wanting`` these peers ended: a fresh one no other active request needs gives its slot back."""
+        freed = False
         with self._lock:
-            ended, self._ended = self._ended, set()
-        wanted = self._wanted_agents()
-        with self._lock:
-            for name in ended - wanted:
-                self._fresh.pop(name, None)
-        self._resume()
+            for name in names:
+                self._wanting[name] -= 1
+                if self._wanting[name] <= 0:
+                    del self._wanting[name]
+                    freed = self._fresh.pop(name, None) is not None or freed
+        if freed and self._deferred:
+            self._submit(self._resume, urgent=True)
 
     def _load_then(self, rank: RankCommInfo, send: Callable[[], None]) -> None:
         try:

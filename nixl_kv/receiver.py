@@ -188,11 +188,7 @@ class CacheReceiver:
     def busy_agents(self) -> set[str]:
         """The peers an active request reads or will read from, and those of READs still in progress (never
         forgotten meanwhile: forgetting a NIXL peer would make their status lie)."""
-        return self.wanted_agents() | self._stuck.peers()
-
-    def wanted_agents(self) -> set[str]:
-        """The peers an active request reads or will read from."""
-        names: set[str] = set()
+        names = self._stuck.peers()
         for incoming in self._requests.all():
             names.update(p.rank.agent_name for p in incoming.pulls)
         return names

@@ -153,13 +153,7 @@ class CacheTransceiver:
         self.metrics = TransferMetrics(self.instance_id)
         # one directory of remote agents for both sides: ctx peers read from, readers answered
         busy = lambda: self._receiver.busy_agents() | self._sender.busy_readers()  # noqa: E731
-        self._peers = PeerDirectory(
-            agent,
-            MAX_PEERS,
-            busy,
-            on_change=lambda name: self._receiver.peer_changed(name),
-            wanted_agents=lambda: self._receiver.wanted_agents(),
-        )
+        self._peers = PeerDirectory(agent, MAX_PEERS, busy, on_change=lambda name: self._receiver.peer_changed(name))
         self._sender = CacheSender(
             self._loop, cache, sender_context, formatter, self._staging, self._peers, self.metrics
         )

@@ -62,11 +62,17 @@ class Admit:
         request.transfer_deadline = deadline
         incoming = Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request, secret=params.secret)
         self._planner.pulls(incoming, plan, params)
-        with requests.lock:
-            if requests.known(key, request.request_id):
-                raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
-            side.cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
-            requests.add(incoming)
+        peers = [pull.rank.agent_name for pull in incoming.pulls]
+        side.peers.wanting(peers)  # (before it is in the table: ``finish.end`` may run at once, on another thread)
+        try:
+            with requests.lock:
+                if requests.known(key, request.request_id):
+                    raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
+                side.cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
+                requests.add(incoming)
+        except BaseException:
+            side.peers.ended(peers)
+            raise
         return incoming
 
     def decode_state(self, data: bytes) -> tuple[DataTransceiverState, str]:
