@@ -354,10 +354,9 @@ def test_params_damaged_anywhere_are_refused_before_any_read(pair_factory) -> No
 
 
 def _oversized(params: bytes, size: int) -> bytes:
-    """The params with as many block ids as make them ``size`` bytes or more, sealed as a ctx would seal them."""
+    """The params with a ctx state padded to make them ``size`` bytes or more, sealed as a ctx would seal them."""
     decoded = wire.decode(params, ContextPhaseParams)
-    ids = tuple(range(1 << 20, (1 << 20) + size // 5 + 1))  # (5 bytes each in msgpack)
-    return encode_params(dataclasses.replace(decoded, block_ids=(ids,)))
+    return encode_params(dataclasses.replace(decoded, ctx_state=decoded.ctx_state + bytes(size)))
 
 
 def test_params_that_are_not_bytes_or_too_long_end_the_request_with_the_documented_error(pair_factory) -> None:
