@@ -286,7 +286,6 @@ class PeerDirectory:
         name = rank.agent_name
         with self._lock:
             waited = time.monotonic() - self._queued.get(name, 0.0)
-        with self._lock:
             if waited > UNWANTED_CHECK_S and name not in self._wanting:
                 self._queued.pop(name, None)  # (a request that asked since queues it again at its next look)
                 return
