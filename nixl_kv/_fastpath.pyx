@@ -5,7 +5,8 @@ There is no pure-Python copy of anything here: ``nixl_kv.params_seal`` and ``nix
 
 - The params' seal (``params_seal``): BLAKE2b (RFC 7693), 8-byte digest, personalization ``nixl_kv-params``, over
   the encoded params less their last 8 bytes, the top bit set; the same bytes ``hashlib.blake2b`` gives, computed
-  over the caller's buffer without copying it.
+  over the caller's buffer without copying it. Its check takes any value: what is not a C-contiguous buffer of
+  bytes, or is longer than ``MAX_PARAMS_BYTES``, is refused first, in O(1) time and allocating nothing.
 - ``FlatDecoder``: the checking decoder of a *flat* dataclass of the data model (every field an int, a bool, bytes,
   a str, a tuple of ints or a tuple of tuples of ints, each optionally None): the params and every control message.
   ``wire`` works out each field's rule from the type hints and metadata and hands them over; the checks, their order
@@ -13,7 +14,14 @@ There is no pure-Python copy of anything here: ``nixl_kv.params_seal`` and ``nix
   with the same problem) exactly as before.
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_RECORDS_RO,
+    PyBUF_SIMPLE,
+    PyBuffer_IsContiguous,
+    PyBuffer_Release,
+    PyObject_CheckBuffer,
+    PyObject_GetBuffer,
+)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport uint8_t, uint64_t
@@ -190,22 +198,68 @@ def seal(encoded) -> bytes:
     return out
 
 
-def is_sealed(data) -> bool:
-    """Whether ``data`` ends in the checksum of everything before it."""
+MAX_PARAMS_BYTES = 4 << 20  # params longer than this are refused before anything reads them (see params_seal)
+cdef Py_ssize_t _MAX_PARAMS = MAX_PARAMS_BYTES
+cdef enum:
+    P_SEALED = 0
+    P_NOT_BUFFER = 1  # not a bytes-like object at all: a str, an int, None, a list...
+    P_TOO_LONG = 2
+    P_NOT_BYTES = 3  # a buffer whose items are not bytes, or that is not C-contiguous
+    P_UNSEALED = 4
+
+
+cdef int _params_check(object data, Py_ssize_t* size) except -1:
+    """Why ``data`` are no sealed params (P_SEALED when they are); ``size`` gets their length in bytes. The kind and
+    the size are looked at before any byte (a buffer view is O(1) and allocates nothing)."""
     cdef Py_buffer view
     cdef const uint8_t* p
     cdef uint64_t carried = 0
     cdef int i
-    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    cdef bytes format
+    if not PyObject_CheckBuffer(data):
+        return P_NOT_BUFFER
     try:
+        PyObject_GetBuffer(data, &view, PyBUF_RECORDS_RO)
+    except BufferError:
+        return P_NOT_BYTES
+    try:
+        size[0] = view.len
+        if view.len > _MAX_PARAMS:
+            return P_TOO_LONG
+        if view.itemsize != 1 or not PyBuffer_IsContiguous(&view, b"C"):
+            return P_NOT_BYTES
+        if view.format != NULL and not (view.format[0] in b"Bbc" and view.format[1] == 0):
+            return P_NOT_BYTES
         p = <const uint8_t*>view.buf
         if view.len < 9 or p[view.len - 9] != _UINT64:
-            return False
+            return P_UNSEALED
         for i in range(8):
             carried = (carried << 8) | p[view.len - 8 + i]
-        return carried == _params_digest(p, <size_t>(view.len - 8))
+        return P_SEALED if carried == _params_digest(p, <size_t>(view.len - 8)) else P_UNSEALED
     finally:
         PyBuffer_Release(&view)
+
+
+def is_sealed(data) -> bool:
+    """Whether ``data`` are a bytes-like object of at most MAX_PARAMS_BYTES that ends in the checksum of everything
+    before it (False for any other value)."""
+    cdef Py_ssize_t size = 0
+    return _params_check(data, &size) == P_SEALED
+
+
+def params_problem(data) -> str:
+    """What is wrong with ``data`` as sealed params, completing "the params ...": "" when nothing."""
+    cdef Py_ssize_t size = 0
+    cdef int problem = _params_check(data, &size)
+    if problem == P_SEALED:
+        return ""
+    if problem == P_NOT_BUFFER:
+        return f"are not bytes but {type(data).__name__}"
+    if problem == P_TOO_LONG:
+        return f"are {size} bytes, over the limit of {MAX_PARAMS_BYTES} bytes"
+    if problem == P_NOT_BYTES:
+        return f"are a {type(data).__name__} whose items are not bytes (or not contiguous)"
+    return "fail their checksum"
 
 
 # --- flat dataclasses ------------------------------------------------------------------------------------------

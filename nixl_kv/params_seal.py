@@ -30,9 +30,14 @@ PROMPT_DIGEST_BYTES = 16
 _digest = _fastpath.params_digest  # the seal of a body (the encoded params less their last 8 bytes)
 # ``seal(encoded)``: encoded params that end in a uint64 (the checksum, or its placeholder), that uint64 set to the
 # checksum; ValueError when they do not end in one. ``is_sealed(data)``: whether ``data`` ends in the checksum of
-# everything before it.
+# everything before it; False for any value that is not a C-contiguous buffer of bytes (a str, None, a memoryview
+# of ints...) or is longer than MAX_PARAMS_BYTES, both refused in O(1) time before any byte is read, so a caller's
+# mistake costs nothing (params of 14 MiB once took 3-4 s and 600 MB to refuse). ``params_problem(data)``: what is
+# wrong with them, completing "the params ..." ("" when nothing): the error a gen request ends with.
 seal = _fastpath.seal
 is_sealed = _fastpath.is_sealed
+params_problem = _fastpath.params_problem
+MAX_PARAMS_BYTES = _fastpath.MAX_PARAMS_BYTES  # real ones: 1.5 KB (one rank) to ~100s of KB (many ranks, long prompts)
 
 
 def encode_params(params: ContextPhaseParams) -> bytes:

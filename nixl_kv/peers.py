@@ -55,11 +55,14 @@ WARM_TIMEOUT_S = 30.0  # the longest ``warm`` waits for the worker
 MAX_PACE_S = 0.01
 # FRESH: at most MAX_FRESH peers are in first contact at once (loaded, no READ from them done yet); other new peers
 # wait their turn. A flood of 600 dead peers put 600 connections in UCX's worker at once, which made every progress
-# call (every status check and notification poll, under the agent's lock) 5 times dearer for live requests. A fresh
-# peer stops being one when a READ from it completes, when it is closed (its READ failed or was stuck), or FRESH_S
-# after its loading.
+# call (every status check and notification poll, under the agent's lock) 5 times dearer for live requests. The limit
+# bounds work, never liveness: a fresh peer gives its slot back when a READ from it completes, when it is closed or
+# forgotten, when no active request needs it any more (its requests ended: ``ended``), or FRESH_S after its loading
+# (a live peer proves itself in milliseconds; one that hangs must not hold a slot for its requests' whole lease). A
+# slot given back starts the newest loading kept for later first: in a flood the oldest ones belong to requests
+# closest to their deadline (a flood of hung peers once held every slot for good, and no new ctx was ever reached).
 MAX_FRESH = 32
-FRESH_S = 5.0
+FRESH_S = 1.0
 UNWANTED_CHECK_S = 0.1  # a loading queued longer than this is skipped if no active request needs the peer any more
 EVICT_IDLE_S = 5.0  # beyond max_peers, only lists and agents no request used for this long are released
 CLOSE_TIMEOUT_S = 5.0  # the longest ``close`` waits for the job the worker is running
@@ -99,6 +102,7 @@ class PeerDirectory:
         self._closing: set[str] = set()  # a close is queued
         self._fresh: dict[str, float] = {}  # loaded, no READ from it done yet -> when it was loaded (see FRESH)
         self._deferred: collections.deque[tuple[RankCommInfo, tuple[bytes, ...]]] = collections.deque()
+        self._wanting: collections.Counter[str] = collections.Counter()  # gen requests admitted, not ended, per peer
         self._lock = threading.RLock()
         self._jobs: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self._order = itertools.count()
@@ -194,11 +198,13 @@ class PeerDirectory:
             if name in self._busy_agents():
                 return
             del self._loaded[name]
-            self._fresh.pop(name, None)
+            freed = self._fresh.pop(name, None) is not None
             try:
                 self._agent.forget_remote(name)
             except AgentError as exc:
                 log.info("could not forget agent %s: %s", name, exc)
+        if freed and self._deferred:
+            self._submit(self._resume)
 
     # --- changes: queued on the worker ------------------------------------------------------------------
     def when_loaded(self, rank: RankCommInfo, send: Callable[[], None]) -> None:
@@ -250,7 +256,7 @@ class PeerDirectory:
         return future
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()[2]) is not None:
+        while (job := self._next_job()) is not None:
             future, function, args = job
             if self._stopping or not future.set_running_or_notify_cancel():
                 future.cancel()
@@ -260,54 +266,78 @@ class PeerDirectory:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(exc)
 
-    def _warm_in_background(self, rank: RankCommInfo, lists: tuple[bytes, ...]) -> None:
-        """A loading ``ready`` queued; skipped once no active request needs the peer any more: after a flood of
-        requests to dead peers failed at their deadline, the loadings still queued for them cost nothing. (Only one
-        queued a while ago is looked up: the busy set costs a walk over every active request.)"""
-        with self._lock:
-            waited = time.monotonic() - self._queued.get(rank.agent_name, 0.0)
-        if waited > UNWANTED_CHECK_S and rank.agent_name not in self._busy_agents():
+    def _next_job(self) -> Job | None:
+        """The next job; while loadings are kept for later, waiting no longer than until the oldest first contact
+        gives its slot back (FRESH_S), and then resuming them."""
+        while True:
             with self._lock:
-                self._queued.pop(rank.agent_name, None)
-            return
+                wait = None
+                if self._deferred:
+                    oldest = min(self._fresh.values()) if len(self._fresh) >= MAX_FRESH else 0.0
+                    wait = max(0.0, oldest + FRESH_S - time.monotonic() + 0.001)
+            try:
+                return self._jobs.get(timeout=wait)[2]
+            except queue.Empty:
+                self._resume()
+
+    def _warm_in_background(self, rank: RankCommInfo, lists: tuple[bytes, ...]) -> None:
+        """A loading ``ready`` queued; skipped once no active request needs the peer any more (``wanting``): after a
+        flood of requests to dead peers failed at their deadline, the loadings still queued for them cost nothing."""
+        name = rank.agent_name
+        with self._lock:
+            waited = time.monotonic() - self._queued.get(name, 0.0)
+            if waited > UNWANTED_CHECK_S and name not in self._wanting:
+                self._queued.pop(name, None)  # (a request that asked since queues it again at its next look)
+                return
         if self._defer(rank, lists):
             return
         started = time.monotonic()
         try:
             self._warm(rank, lists)
             with self._lock:
-                self._failed.pop(rank.agent_name, None)
+                self._failed.pop(name, None)
         except Exception as exc:  # noqa: BLE001 - requests waiting for the peer fail with it instead of timing out
             if not isinstance(exc, AgentError):
-                log.exception("loading agent %s failed unexpectedly", rank.agent_name)
+                log.exception("loading agent %s failed unexpectedly", name)
             with self._lock:
-                self._failed[rank.agent_name] = (time.monotonic(), str(exc))
+                self._failed[name] = (time.monotonic(), str(exc))
         finally:
             with self._lock:
-                self._queued.pop(rank.agent_name, None)
-            self._on_change(rank.agent_name)
+                self._queued.pop(name, None)
+            self._on_change(name)
             time.sleep(min(MAX_PACE_S, time.monotonic() - started))  # see PACE
 
     def _defer(self, rank: RankCommInfo, lists: tuple[bytes, ...]) -> bool:
-        """Keep a new peer's loading for later while MAX_FRESH loaded peers have not shown one READ done (see
-        FRESH); True if it was kept."""
-        now = time.monotonic()
+        """Keep a new peer's loading for later while MAX_FRESH loaded peers are in first contact (see FRESH); True
+        if it was kept."""
         with self._lock:
-            for name in [name for name, loaded in self._fresh.items() if now - loaded > FRESH_S]:
-                del self._fresh[name]
-            if rank.agent_name in self._loaded or len(self._fresh) < MAX_FRESH:
+            if rank.agent_name in self._loaded or self._room():
                 return False
             self._deferred.append((rank, lists))
             return True
 
+    def _room(self) -> bool:
+        """Under the lock: whether a first-contact slot is free (those FRESH_S old given back first)."""
+        stale = time.monotonic() - FRESH_S
+        for name in [name for name, loaded in self._fresh.items() if loaded < stale]:  # (at most MAX_FRESH)
+            del self._fresh[name]
+        return len(self._fresh) < MAX_FRESH
+
     def _resume(self) -> None:
-        """Start the loadings kept for later, as far as there is room (and as still wanted)."""
+        """Start the loadings kept for later, newest first, as far as there is room (and as still wanted)."""
         while True:
             with self._lock:
-                if not self._deferred or len(self._fresh) >= MAX_FRESH:
+                if not self._deferred or not self._room():
                     return
-                rank, lists = self._deferred.popleft()
+                rank, lists = self._deferred.pop()
             self._warm_in_background(rank, lists)
+
+    @property
+    def first_contacts(self) -> int:
+        """Peers holding a first-contact slot now (at most MAX_FRESH)."""
+        with self._lock:
+            self._room()
+            return len(self._fresh)
 
     def proven(self, name: str) -> None:
         """A READ from the peer completed: it is no longer a first contact (see FRESH)."""
@@ -316,6 +346,23 @@ class PeerDirectory:
                 freed = self._fresh.pop(name, None) is not None
             if freed and self._deferred:
                 self._submit(self._resume)
+
+    def wanting(self, names: Iterable[str]) -> None:
+        """A gen request admitted that reads (or will read) from these peers (until ``ended``)."""
+        with self._lock:
+            self._wanting.update(names)
+
+    def ended(self, names: Iterable[str]) -> None:
+        """A request ``wanting`` these peers ended: a fresh one no other active request needs gives its slot back."""
+        freed = False
+        with self._lock:
+            for name in names:
+                self._wanting[name] -= 1
+                if self._wanting[name] <= 0:
+                    del self._wanting[name]
+                    freed = self._fresh.pop(name, None) is not None or freed
+        if freed and self._deferred:
+            self._submit(self._resume, urgent=True)
 
     def _load_then(self, rank: RankCommInfo, send: Callable[[], None]) -> None:
         try:

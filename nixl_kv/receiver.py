@@ -13,13 +13,14 @@ requests, direct ones no caller polls, the release notices and the stuck READs.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.control import Control
-from nixl_kv.errors import IncompatibleStateError, NixlKvError
+from nixl_kv.errors import IncompatibleStateError, NixlKvError, TransferError
 from nixl_kv.gen.admit import Admit
 from nixl_kv.gen.direct import MAX_SPIN_S, SPIN_GBPS, DirectPulls
 from nixl_kv.gen.plan import Planner
@@ -37,6 +38,8 @@ from nixl_kv.requests import TransferRequest
 from nixl_kv.state import DataTransceiverState
 from nixl_kv.stuck import StuckReads
 from nixl_kv.views import pool_views
+
+log = logging.getLogger(__name__)
 
 
 class CacheReceiver:
@@ -107,7 +110,10 @@ class CacheReceiver:
         request.transfer_start = time.monotonic()
         try:
             incoming = self._admit.admit(request, future)
-        except NixlKvError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the caller handed in, the request ends (never in flight)
+            if not isinstance(exc, NixlKvError):  # a check that let through a value it should have refused: a bug
+                log.exception("admitting request %s failed unexpectedly", request.request_id)
+                exc = TransferError(f"request {request.request_id} could not be admitted: {type(exc).__name__}: {exc}")
             request.transfer_end = time.monotonic()
             future.set_exception(exc)
             return future

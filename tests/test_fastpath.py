@@ -106,8 +106,20 @@ def test_every_damaged_byte_breaks_the_seal_and_every_buffer_kind_is_read() -> N
         assert not params_seal.is_sealed(short)
     with pytest.raises(ValueError, match="do not end in their checksum field"):
         params_seal.seal(sealed[:-1])
-    with pytest.raises(TypeError):
-        params_seal.is_sealed("not bytes")  # type: ignore[arg-type]
+    for value in (
+        "not bytes",
+        None,
+        7,
+        [1, 2],
+        memoryview(sealed)[::2],
+        memoryview(sealed[: len(sealed) // 4 * 4]).cast("I"),
+    ):
+        assert not params_seal.is_sealed(value)  # (refused, never a TypeError: issue 29)
+    assert params_seal.is_sealed(memoryview(sealed).cast("c")) and params_seal.is_sealed(memoryview(sealed)[:])
+    too_long = bytes(params_seal.MAX_PARAMS_BYTES - len(sealed) + 1) + sealed
+    assert params_seal.params_problem(too_long) == (
+        f"are {len(too_long)} bytes, over the limit of {params_seal.MAX_PARAMS_BYTES} bytes"
+    )
 
 
 # --- flat dataclasses ---------------------------------------------------------------------------------------------

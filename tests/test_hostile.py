@@ -353,6 +353,77 @@ def test_params_damaged_anywhere_are_refused_before_any_read(pair_factory) -> No
     assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0
 
 
+def _oversized(params: bytes, size: int) -> bytes:
+    """The params with a ctx state padded to make them ``size`` bytes or more, sealed as a ctx would seal them."""
+    decoded = wire.decode(params, ContextPhaseParams)
+    return encode_params(dataclasses.replace(decoded, ctx_state=decoded.ctx_state + bytes(size)))
+
+
+def test_params_that_are_not_bytes_or_too_long_end_the_request_with_the_documented_error(pair_factory) -> None:
+    """A str (a JSON layer that forgot to decode), an int, None, a list, a memoryview of ints or a strided one, and
+    params of 14 MiB sealed as a ctx seals them: each request ends in error with the README's message, refused before
+    any READ, pin or table entry; the oversized one in well under 1 ms (the best of 5), allocating nothing like its
+    size. The intact params then complete."""
+    import array
+    import tracemalloc
+
+    from nixl_kv.params_seal import MAX_PARAMS_BYTES
+
+    pair = pair_factory()
+    agent, receiver = pair.gen.transceiver._agent, pair.gen.transceiver._receiver
+    reads: list[int] = []
+    original_read = agent.read
+    agent.read = lambda *args, **kwargs: reads.append(1) or original_read(*args, **kwargs)
+    ctx_request = pair.prefill(1, 40)
+    data = ctx_request.context_phase_params
+    oversized = _oversized(data, 14 << 20)
+    handles = dict(agent.live_handles)
+    bad = [
+        (data.decode("latin-1"), "are not bytes but str"),
+        (12345, "are not bytes but int"),
+        (None, "carries no ContextPhaseParams"),
+        (list(data), "are not bytes but list"),
+        (memoryview(array.array("i", range(len(data) // 4))), "are a memoryview whose items are not bytes"),
+        (memoryview(data)[::2], "are a memoryview whose items are not bytes"),
+        (oversized, f"are {len(oversized)} bytes, over the limit of {MAX_PARAMS_BYTES} bytes"),
+    ]
+    for n, (value, error) in enumerate(bad):
+        rid = 100 + n
+        pair.gen.cache.allocate(rid, 40)
+        request = TransferRequest(rid, context_phase_params=value)
+        pair.gen.transceiver.request_and_receive_async(request)
+        assert _poll(pair, request, 2) is RequestState.TRANS_ERROR
+        assert request.error is not None and (
+            f"request {rid} {error}" in request.error or f"ContextPhaseParams of request {rid} {error}" in request.error
+        ), request.error
+        pair.gen.cache.free(rid)
+    assert reads == [] and receiver.pending == 0 and pair.gen.cache.pinned_requests == 0
+    assert agent.live_handles == handles
+
+    times = []
+    for n in range(5):
+        request = TransferRequest(200 + n, context_phase_params=oversized)
+        started = time.perf_counter()
+        pair.gen.transceiver.request_and_receive_async(request)
+        times.append(time.perf_counter() - started)
+        assert _poll(pair, request, 2) is RequestState.TRANS_ERROR
+    assert min(times) <= 1e-3, times
+    tracemalloc.start()
+    try:
+        request = TransferRequest(300, context_phase_params=oversized)
+        pair.gen.transceiver.request_and_receive_async(request)
+        assert _poll(pair, request, 2) is RequestState.TRANS_ERROR
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MAX_PARAMS_BYTES // 16, peak  # (nothing copied or decoded: a few KB of bookkeeping)
+    print(f"[{len(oversized)} B params] refused in {min(times) * 1e6:.0f}-{max(times) * 1e6:.0f} us, {peak} B traced")
+
+    request = pair.gen_request(5, ctx_request)
+    pair.gen.transceiver.request_and_receive_async(request)
+    assert _poll(pair, request) is RequestState.GENERATION_TRANS_COMPLETE and pair.mismatches(5, 1, 40) == 0
+
+
 def test_metadata_from_a_message_that_proves_nothing_is_never_loaded(pair_factory) -> None:
     """A ReadDone or StageClaim about a request the ctx rank does not hold, from an agent it does not know: not
     answered, and its metadata not loaded (a malformed blob aborts the process inside UCX: scripts/fuzz.sh). The

@@ -1,5 +1,5 @@
-"""Admit a request: the params' seal, their decoding, the request's secret, the ctx state (decoded and checked once
-per state: its pools against its cache state), the plan, and the pin of our destination blocks.
+"""Admit a request: the params' kind, size and seal, their decoding, the request's secret, the ctx state (decoded and
+checked once per state: its pools against its cache state), the plan, and the pin of our destination blocks.
 
 A request this rank cannot read fails as a whole before any byte moves, and its ctx ranks are told at once.
 """
@@ -13,7 +13,7 @@ from nixl_kv import wire
 from nixl_kv.errors import IncompatibleStateError, NixlKvError, TransferError
 from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.side import GenSide, Incoming
-from nixl_kv.params_seal import is_sealed
+from nixl_kv.params_seal import params_problem
 from nixl_kv.pool_checks import kv_pool_problems
 from nixl_kv.protocol import ReadDone
 from nixl_kv.requests import TransferRequest
@@ -35,8 +35,9 @@ class Admit:
         side, requests = self._side, self._side.requests
         if request.context_phase_params is None:
             raise TransferError(f"request {request.request_id} carries no ContextPhaseParams")
-        if not is_sealed(request.context_phase_params):  # damaged on the way (or not made by a ctx transceiver)
-            raise TransferError(f"the ContextPhaseParams of request {request.request_id} fail their checksum")
+        problem = params_problem(request.context_phase_params)  # not bytes, too long, or damaged on the way
+        if problem:
+            raise TransferError(f"the ContextPhaseParams of request {request.request_id} {problem}")
         params = wire.decode(request.context_phase_params, ContextPhaseParams)
         if not params.secret:  # (nothing can tell its ctx side: a message without the secret is dropped there)
             raise TransferError(f"the params of request {request.request_id} carry no request secret")
@@ -61,11 +62,17 @@ class Admit:
         request.transfer_deadline = deadline
         incoming = Incoming(key, request, ctx_state, num_blocks, deadline, future, read_request, secret=params.secret)
         self._planner.pulls(incoming, plan, params)
-        with requests.lock:
-            if requests.known(key, request.request_id):
-                raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
-            side.cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
-            requests.add(incoming)
+        peers = [pull.rank.agent_name for pull in incoming.pulls]
+        side.peers.wanting(peers)  # (before it is in the table: ``finish.end`` may run at once, on another thread)
+        try:
+            with requests.lock:
+                if requests.known(key, request.request_id):
+                    raise TransferError(f"request {request.request_id} (ctx request {key}) is already being received")
+                side.cache.pin(request.request_id)  # the destination blocks stay ours until the READs are over
+                requests.add(incoming)
+        except BaseException:
+            side.peers.ended(peers)
+            raise
         return incoming
 
     def decode_state(self, data: bytes) -> tuple[DataTransceiverState, str]:

@@ -25,6 +25,7 @@ def end(side: GenSide, incoming: Incoming, failure: str | None) -> None:
     """The request leaves the table and its future resolves; its blocks are unpinned unless a READ is stuck."""
     side.requests.remove(incoming)
     incoming.request.transfer_end = time.monotonic()
+    side.peers.ended(pull.rank.agent_name for pull in incoming.pulls)  # (first-contact slots it no longer needs)
     if not incoming.stuck:
         side.cache.unpin(incoming.request.request_id)
     if failure is None:
