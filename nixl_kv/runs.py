@@ -52,9 +52,10 @@ def coalesced_rows(
     min_saved: int = 1,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Nx3 (address, length, device) local and remote rows, one per run of entries that continue each other on both
-    sides; None where that saves fewer than ``min_saved`` descriptors (the prepared indices are cheaper then)."""
+    sides; None where that saves fewer than ``min_saved`` descriptors (the prepared indices are cheaper then; 0: always
+    rows, as a copy kernel takes them)."""
     starts, counts = entry_runs(local, local_indices, remote, remote_indices, coarse)
-    if len(local_indices) - len(starts) < max(1, min_saved):
+    if len(local_indices) - len(starts) < min_saved:
         return None
     unit = local.segment_bytes if coarse else local.unit_bytes
     lengths = counts * unit

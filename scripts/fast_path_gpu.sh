@@ -40,4 +40,4 @@ mismatched=(
 for tokens in ${MISMATCHED_TOKENS-2048}; do
   for flags in "${mismatched[@]}"; do echo "mismatched $tokens: $flags"; pair --requests "$tokens" --rounds 6 $flags; done
 done
-echo "first round with --connect-ahead"; for _ in 1 2 3; do pair --requests 128 --rounds 3 --connect-ahead; done
+echo "first round with --connect-ahead"; for _ in ${CONNECT_AHEAD_RUNS-1 2 3}; do pair --requests 128 --rounds 3 --connect-ahead; done
