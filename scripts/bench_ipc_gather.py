@@ -102,7 +102,7 @@ def gen(args: argparse.Namespace) -> dict:
             event.synchronize()
             seconds.append(time.perf_counter() - start)
         mismatched = sum(
-            count_mismatches(cache.read_tokens(rid, args.tokens), rid, _where(args, args.tokens))
+            count_mismatches(cache.read_tokens(rid, args.tokens), rid, _where(args, args.tokens), cupy)
             for rid in range(args.requests)
         )
         peer.close()
