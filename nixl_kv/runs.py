@@ -23,6 +23,9 @@ from nixl_kv.layout import KVLayout
 # costs about 0.4 µs and rows pay where they save 16 or more; on a GPU an entry costs about 10 µs (cuda_ipc, issue
 # 33), and rows pay where they save one.
 MIN_SAVED = {"VRAM": 1, "DRAM": 16}
+# Up to this many entries, runs are found in a Python loop: numpy's per-call cost (a few µs an operation, about ten
+# operations) is more than the loop's on the fast path's common requests (a few blocks).
+SMALL = 64
 
 
 def entry_runs(
@@ -54,6 +57,8 @@ def coalesced_rows(
     """Nx3 (address, length, device) local and remote rows, one per run of entries that continue each other on both
     sides; None where that saves fewer than ``min_saved`` descriptors (the prepared indices are cheaper then; 0: always
     rows, as a copy kernel takes them)."""
+    if len(local_indices) <= SMALL:
+        return _small_rows(local, local_indices, remote, remote_indices, coarse, min_saved)
     starts, counts = entry_runs(local, local_indices, remote, remote_indices, coarse)
     if len(local_indices) - len(starts) < min_saved:
         return None
@@ -78,3 +83,38 @@ def _rows(layout: KVLayout, indices: np.ndarray, lengths: np.ndarray, coarse: bo
     rows[:, 1] = lengths
     rows[:, 2] = devices[pool]
     return rows
+
+
+def _small_rows(
+    local: KVLayout,
+    local_indices: np.ndarray,
+    remote: KVLayout,
+    remote_indices: np.ndarray,
+    coarse: bool,
+    min_saved: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``coalesced_rows`` for a few entries, in plain Python (the same runs as ``entry_runs``)."""
+    li, ri = local_indices.tolist(), remote_indices.tolist()
+    per_local, per_remote = _entries_per_pool(local, coarse), _entries_per_pool(remote, coarse)
+    starts = [0] if li else []
+    for i in range(1, len(li)):
+        a, b = li[i], ri[i]
+        if not (a == li[i - 1] + 1 and b == ri[i - 1] + 1 and a % per_local and b % per_remote):
+            starts.append(i)
+    if len(li) - len(starts) < min_saved:
+        return None
+    counts = [end - start for start, end in zip(starts, [*starts[1:], len(li)], strict=True)]
+    unit = local.segment_bytes if coarse else local.unit_bytes
+    return (
+        _small_rows_of(local, [li[i] for i in starts], counts, unit, coarse),
+        _small_rows_of(remote, [ri[i] for i in starts], counts, unit, coarse),
+    )
+
+
+def _small_rows_of(layout: KVLayout, starts: list[int], counts: list[int], unit: int, coarse: bool) -> np.ndarray:
+    per_pool, pools = _entries_per_pool(layout, coarse), layout.pools
+    table = []
+    for index, count in zip(starts, counts, strict=True):
+        pool = pools[index // per_pool]
+        table.append((pool.address + index % per_pool * unit, count * unit, pool.device_id))
+    return np.array(table, dtype=np.uint64).reshape(-1, 3)

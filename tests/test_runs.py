@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from nixl_kv import runs
 from nixl_kv.allocator import BlockAllocator
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
 from nixl_kv.requests import RequestState
@@ -58,6 +59,28 @@ def test_a_run_never_crosses_from_one_pool_into_the_next() -> None:
     units = hnd.unit_indices(np.array([2, 3]), range(0, 2), range(0, 2), block_first=False)
     starts, counts = entry_runs(hnd, units, hnd, units, coarse=False)
     assert counts.tolist() == [4, 4, 4, 4]  # one run per (layer, kv) pool: blocks 2 and 3, both heads
+
+
+@pytest.mark.parametrize("kind", [K.BLOCK_MAJOR, K.PER_LAYER_NHD, K.PER_LAYER_HND])
+def test_the_python_loop_for_few_entries_finds_the_runs_numpy_finds(kind: LayoutKind, monkeypatch) -> None:
+    """Requests of a few blocks take a plain Python loop (``SMALL``); it must give the very rows of the numpy path."""
+    local, remote = layout(kind), layout(kind, base=1 << 34)
+    rng = np.random.default_rng(3)
+    for coarse in (True, False):
+        entries = len(local.pools) * local.pool_bytes // (local.segment_bytes if coarse else local.unit_bytes)
+        for _ in range(40):  # runs of random lengths at random places, over pool boundaries too
+            lengths = rng.integers(1, 5, size=rng.integers(1, 6))
+            starts = rng.integers(0, entries, size=len(lengths))
+            local_indices = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+            local_indices %= entries
+            remote_indices = np.roll(local_indices, rng.integers(0, 2))
+            args = (local, local_indices, remote, remote_indices, coarse, 0)
+            small = runs.coalesced_rows(*args)
+            monkeypatch.setattr(runs, "SMALL", -1)
+            vectorised = runs.coalesced_rows(*args)
+            monkeypatch.setattr(runs, "SMALL", 64)
+            assert small is not None and vectorised is not None
+            assert small[0].tolist() == vectorised[0].tolist() and small[1].tolist() == vectorised[1].tolist()
 
 
 def test_allocator_gives_the_smallest_run_that_holds_the_request() -> None:
