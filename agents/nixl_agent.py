@@ -1,7 +1,9 @@
-"""The NIXL transfer agent (UCX backend by default): one-sided READs with completion notifications."""
+"""The NIXL transfer agent (UCX backend by default): one-sided READs with completion notifications, through the
+compiled core (``nixl_kv._core`` over NIXL's C API; ``nixl_core`` finds and loads it)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -11,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from nixl_kv.agents.nixl_core import core
 from nixl_kv.agents.ucx_config import bound_tcp_failures
 from nixl_kv.errors import AgentError
 from nixl_kv.interfaces import TransferAgent, TransferStatus
@@ -51,14 +54,20 @@ def skip_ucx_ib_without_rdma_devices(environ: dict[str, str] = os.environ) -> bo
     return True
 
 
-_STATUS = {"DONE": TransferStatus.DONE, "PROC": TransferStatus.IN_PROGRESS, "ERR": TransferStatus.FAILED}
+_MEMORY = {MemoryKind.DRAM: 0, MemoryKind.VRAM: 1}  # NIXL's memory types (nixl_kv/csrc/nixl_capi.h)
 
 
 class NixlAgent(TransferAgent):
-    """A ``nixl_agent`` plus the bookkeeping that lets ``close`` release everything it created.
+    """A NIXL agent through the compiled core (``nixl_kv._core``, NIXL's C API), plus the bookkeeping that lets
+    ``close`` release everything it created.
 
-    Thread-safe: NIXL's strict synchronization mode serializes calls into the agent, so the caller's thread can
-    post and check READs while the progress loop polls notifications.
+    Two NIXL agents of one name stand behind it: the data agent posts READs and receives notifications; the control
+    agent, with a UCX worker and endpoints of its own, sends every notification. A notification sent on the READ's
+    endpoint slowed the next READ to that peer 4-5x (``scripts/bench_notify_taint.py``); peers see one name, and
+    answer it on the data agent, whose metadata is the one they load.
+
+    Thread-safe: NIXL's strict synchronization mode serializes calls into each agent, so the caller's thread can
+    post and check READs while the progress loop polls notifications. Each call releases the GIL once.
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), progress_thread: bool = False) -> None:
@@ -67,54 +76,62 @@ class NixlAgent(TransferAgent):
         agent halved throughput on a 2-core machine."""
         skip_ucx_ib_without_rdma_devices()  # before UCX starts
         bound_tcp_failures()
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
         self.name = name
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=list(backends),
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        self._agent = nixl_agent(name, config)
-        self._registrations: list[Any] = []
+        self._agent = core().Agent(name, tuple(backends), progress_thread)
+        self._control = core().Agent(name, tuple(backends), False)
         self._prepared: dict[int, tuple[Any, str | None]] = {}  # by id: the list and the peer it describes
         self._transfers: dict[Any, str] = {}  # not yet released -> the peer it reads from
         self._remotes: set[str] = set()
         self._closed = False
 
     def metadata(self) -> bytes:
-        return seal_metadata(bytes(self._agent.get_agent_metadata()))
+        return seal_metadata(self._agent.metadata())
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
-        by_kind: dict[MemoryKind, list[tuple[int, int, int, str]]] = {}
+        by_kind: dict[MemoryKind, list[tuple[int, int, int]]] = {}
         for region in regions:
-            by_kind.setdefault(region.memory, []).append((region.address, region.nbytes, region.device_id, ""))
+            by_kind.setdefault(region.memory, []).append((region.address, region.nbytes, region.device_id))
         for memory, rows in by_kind.items():
-            self._registrations.append(self._call("register memory", self._agent.register_memory, rows, memory.value))
+            self._agent.register(_MEMORY[memory], _rows(np.array(rows, dtype=np.uint64)))
 
     def load_remote(self, metadata: bytes, name: str) -> None:
         if not isinstance(metadata, bytes):
             raise AgentError(f"NIXL metadata must be bytes, not {type(metadata).__name__}")
-        loaded = self._call("load remote metadata", self._agent.add_remote_agent, unseal_metadata(metadata))
-        try:  # NIXL returns the name the metadata holds, as bytes
-            described = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        body = unseal_metadata(metadata)
+        loaded = self._agent.load_remote(body)  # the name the metadata holds, as bytes
+        try:
+            described = loaded.decode()
         except UnicodeDecodeError:
             described = None
         if described == name:
+            try:
+                self._control.load_remote(body)
+            except AgentError:
+                if name not in self._remotes:
+                    self._agent.invalidate_remote(loaded)
+                raise
+            with contextlib.suppress(AgentError):  # now, so the first notification to it does not wait for UCX's
+                self._control.connect(name)  # wire-up (the peer's answers must not miss short deadlines)
             self._remotes.add(name)
             return
         if described not in self._remotes:  # loaded by this call alone (a name loaded before stays as it was)
-            self._call("remove remote agent", self._agent.remove_remote_agent, loaded)
-        shown = repr(described) if described is not None else f"{bytes(loaded)[:64]!r} (not UTF-8)"
+            self._agent.invalidate_remote(loaded)
+        shown = repr(described) if described is not None else f"{loaded[:64]!r} (not UTF-8)"
         raise AgentError(f"metadata given for agent {name!r} describes agent {shown}")
 
+    def has_remote(self, name: str | bytes) -> bool:
+        """Whether NIXL holds metadata of the agent ``name`` (a name need not be text)."""
+        return self._agent.has_remote(name if isinstance(name, bytes) else name.encode())
+
     def connect(self, name: str) -> None:
-        self._call(f"connect to {name}", self._agent.make_connection, name)
+        self._agent.connect(name)
+        self._control.connect(name)
 
     def forget_remote(self, name: str) -> None:
         if name in self._remotes:
             self._remotes.discard(name)
-            self._call("remove remote agent", self._agent.remove_remote_agent, name)
+            self._agent.invalidate_remote(name.encode())
+            self._control.invalidate_remote(name.encode())
 
     def close_peer(self, name: str) -> bool:
         """NIXL can only remove the remote agent, and that closes its UCX endpoints gracefully: READs in flight then
@@ -134,19 +151,15 @@ class NixlAgent(TransferAgent):
 
     def prepare(self, owner: str | None, descriptors: np.ndarray, memory: MemoryKind) -> Any:
         rows = np.ascontiguousarray(descriptors, dtype=np.uint64)
-        prepared = self._call(
-            f"prepare descriptors of {owner or 'local memory'}",
-            self._agent.prep_xfer_dlist,
-            owner or "NIXL_INIT_AGENT",
-            rows,
-            memory.value,
-        )
+        if rows.ndim != 2:
+            raise AgentError(f"descriptor rows of shape {rows.shape}, expected Nx3 or Nx5")
+        prepared = self._agent.prepare(owner, _MEMORY[memory], rows)
         self._prepared[id(prepared)] = (prepared, owner)
         return prepared
 
     def release_prepared(self, prepared: Any) -> None:
         if self._prepared.pop(id(prepared), None) is not None:
-            prepared.release()
+            self._agent.release_prepared(prepared)
 
     def read(
         self,
@@ -156,28 +169,14 @@ class NixlAgent(TransferAgent):
         remote_indices: np.ndarray,
         notification: bytes,
     ) -> Any:
-        transfer = self._call(
-            "create READ",
-            self._agent.make_prepped_xfer,
-            "READ",
+        transfer = self._agent.read(
             local,
             np.ascontiguousarray(local_indices, dtype=np.int32),
             remote,
             np.ascontiguousarray(remote_indices, dtype=np.int32),
             notification,
         )
-        return self._post(transfer, self._prepared.get(id(remote), (None, ""))[1] or "")
-
-    def _post(self, transfer: Any, peer: str) -> Any:
-        self._transfers[transfer] = peer
-        try:
-            state = self._call("post READ", self._agent.transfer, transfer)
-        except AgentError:
-            self.release_transfer(transfer)
-            raise
-        if state == "ERR":
-            self.release_transfer(transfer)
-            raise AgentError("NIXL refused to post the READ")
+        self._transfers[transfer] = transfer.peer
         return transfer
 
     def read_ranges(
@@ -189,48 +188,44 @@ class NixlAgent(TransferAgent):
         remote_memory: MemoryKind,
         notification: bytes,
     ) -> Any:
-        local = self._call("describe local ranges", self._agent.get_xfer_descs, _rows(local_rows), local_memory.value)
-        remote = self._call(
-            "describe remote ranges", self._agent.get_xfer_descs, _rows(remote_rows), remote_memory.value
+        transfer = self._agent.read_rows(
+            peer, _MEMORY[local_memory], _rows(local_rows), _MEMORY[remote_memory], _rows(remote_rows), notification
         )
-        transfer = self._call(
-            f"create READ from {peer}", self._agent.initialize_xfer, "READ", local, remote, peer, notification
-        )
-        return self._post(transfer, peer)
+        self._transfers[transfer] = peer
+        return transfer
 
     def status(self, transfer: Any) -> TransferStatus:
-        try:
-            return _STATUS[self._agent.check_xfer_state(transfer)]
-        except Exception as exc:  # NIXL raises its own types for a broken connection
-            log.warning("transfer state check failed: %s", exc)
-            return TransferStatus.FAILED
+        return _status(self._agent.status(transfer))
+
+    def statuses(self, transfers: Sequence[Any]) -> list[TransferStatus]:
+        """The status of each transfer, in one call into the core."""
+        return [_status(code) for code in self._agent.statuses(transfers)]
 
     def release_transfer(self, transfer: Any) -> bool:
-        try:
-            transfer.release()
-        except Exception as exc:
-            log.warning("NIXL could not release (cancel) a transfer: %s", exc)
+        code = self._agent.release_transfer(transfer)
+        if code != 0:
+            log.warning("NIXL could not release (cancel) a transfer (status %d)", code)
             return False
         self._transfers.pop(transfer, None)
         return True
 
     def notify(self, peer: str, message: bytes) -> None:
-        self._call(f"notify {peer}", self._agent.send_notif, peer, message)
+        """Through the control agent: never on the endpoint the READs from ``peer`` use."""
+        self._control.notify(peer, message)
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
-        try:
-            found = self._agent.get_new_notifs()
-        except UnicodeDecodeError:  # NIXL's binding cannot name a sender whose name is not text: it drops the
-            log.warning("dropped a batch of notifications: a sender's agent name is not UTF-8")  # whole batch
-            return []
-        return [
-            (sender.decode() if isinstance(sender, bytes) else sender, bytes(message))
-            for sender, messages in found.items()
-            for message in messages
-        ]
+        """The data agent's notifications (the control agent is polled too: its sends complete as it progresses,
+        and nothing is addressed to it)."""
+        found = []
+        for sender, message in self._agent.notifications() + self._control.notifications():
+            try:
+                found.append((sender.decode(), message))
+            except UnicodeDecodeError:  # no peer of ours has such a name: nothing could answer it
+                log.warning("dropped a notification: its sender's agent name is not UTF-8")
+        return found
 
     def close(self) -> None:
-        """Release transfers, descriptor lists, remote agents and registrations, in that order."""
+        """Release transfers, descriptor lists, remote agents and registrations, in that order, then the agent."""
         if self._closed:
             return
         self._closed = True
@@ -243,12 +238,11 @@ class NixlAgent(TransferAgent):
                 self.forget_remote(name)
             except AgentError as exc:
                 log.warning("%s", exc)
-        for registration in self._registrations:
-            try:
-                self._agent.deregister_memory(registration)
-            except Exception as exc:
-                log.warning("deregistration failed: %s", exc)
-        self._registrations.clear()
+        try:
+            self._agent.deregister_all()
+        except AgentError as exc:
+            log.warning("deregistration failed: %s", exc)
+        self._control.close()
 
     @property
     def live_handles(self) -> dict[str, int]:
@@ -257,16 +251,19 @@ class NixlAgent(TransferAgent):
             "transfers": len(self._transfers),
             "prepared": len(self._prepared),
             "remotes": len(self._remotes),
-            "registrations": len(self._registrations),
+            "registrations": self._agent.registration_count,
         }
 
-    @staticmethod
-    def _call(what: str, function: Any, *args: Any) -> Any:
-        try:
-            return function(*args)
-        except Exception as exc:  # NIXL's binding raises one class per status code
-            raise AgentError(f"NIXL could not {what}: {type(exc).__name__}: {exc}") from exc
+
+def _status(code: int) -> TransferStatus:
+    if code == 1:
+        return TransferStatus.IN_PROGRESS
+    return TransferStatus.DONE if code == 0 else TransferStatus.FAILED
 
 
 def _rows(rows: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3)
+    """Nx3 (address, length, device) rows as the core takes them; AgentError for anything else."""
+    table = np.ascontiguousarray(rows, dtype=np.uint64)
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise AgentError(f"descriptor rows of shape {table.shape}, expected Nx3")
+    return table

@@ -145,9 +145,9 @@ def test_metadata_naming_an_unexpected_agent_is_refused_and_unloaded(
     name = b"test-ct\xff" if given == "not UTF-8" else b"test-cty"
     with pytest.raises(AgentError, match="metadata given for agent 'test-ctx' describes agent"):
         gen.load_remote(_renamed(real, "test-ctx", name), "test-ctx")
-    assert not gen._agent.check_remote_metadata(name) and gen.live_handles["remotes"] == 0
+    assert not gen.has_remote(name) and gen.live_handles["remotes"] == 0
     gen.load_remote(real, "test-ctx")  # the real one still loads
-    assert gen._agent.check_remote_metadata("test-ctx")
+    assert gen.has_remote("test-ctx")
 
 
 def test_metadata_of_a_live_peer_under_another_name_leaves_the_peer_loaded(
@@ -163,7 +163,7 @@ def test_metadata_of_a_live_peer_under_another_name_leaves_the_peer_loaded(
     gen.load_remote(ctx.metadata(), "test-ctx")
     with pytest.raises(AgentError, match="describes agent 'test-ctx'"):
         gen.load_remote(ctx.metadata(), "someone-else")
-    assert gen._agent.check_remote_metadata("test-ctx") and gen.live_handles["remotes"] == 1
+    assert gen.has_remote("test-ctx") and gen.live_handles["remotes"] == 1
     rows = lambda a: np.array([[a.ctypes.data, a.nbytes, 0]], dtype=np.uint64)  # noqa: E731
     remote, local = (
         gen.prepare("test-ctx", rows(source), MemoryKind.DRAM),
@@ -184,7 +184,7 @@ def test_a_notification_from_an_agent_whose_name_is_not_text_is_dropped_not_rais
     ctx, gen = agents
     hostile = nixl_agent(b"hostile-\xff", nixl_agent_config(backends=["UCX"]))
     try:
-        hostile.add_remote_agent(ctx._agent.get_agent_metadata())  # (a raw NIXL agent: unsealed)
+        hostile.add_remote_agent(ctx._agent.metadata())  # (a raw NIXL agent: unsealed)
         hostile.send_notif("test-ctx", b"from a bad name")
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:

@@ -111,7 +111,7 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
         done = prove(ReadDone(instance, 1, 99, gen_agent.metadata(), 1), secret, gen_agent.name)
         gen_agent.notify(ctx_agent.name, wire.encode(done))
         assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
-        assert not any(ctx_agent._agent.check_remote_metadata(stranger.name) for stranger in strangers)
+        assert not any(ctx_agent.has_remote(stranger.name) for stranger in strangers)
         assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
     finally:
         for stranger in strangers:

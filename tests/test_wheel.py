@@ -28,11 +28,15 @@ pytestmark = pytest.mark.wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.1.0"
-# The wheel holds the compiled module (nixl_kv._fastpath, from its Cython source): one for this Python and platform.
+# The wheel holds the compiled modules (nixl_kv._fastpath and nixl_kv._core, from their Cython sources; the core also
+# from its C, nixl_kv/csrc): one each for this Python and platform.
 PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 PLATFORM_TAG = sysconfig.get_platform().replace("-", "_").replace(".", "_")
 WHEEL = f"nixl_kv-{VERSION}-{PYTHON_TAG}-{PYTHON_TAG}-{PLATFORM_TAG}.whl"
-COMPILED = f"nixl_kv/_fastpath{sysconfig.get_config_var('EXT_SUFFIX')}"
+COMPILED = {
+    f"nixl_kv/{name}{sysconfig.get_config_var('EXT_SUFFIX')}": f"nixl_kv/{name}.pyx" for name in ("_fastpath", "_core")
+}
+CORE_C = {"nixl_kv/csrc/nixl_capi.c", "nixl_kv/csrc/nixl_capi.h"}
 
 
 def _run(command: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
@@ -54,13 +58,13 @@ def _sources() -> set[str]:
     names = {str(p.relative_to(ROOT)) for p in (ROOT / "nixl_kv").rglob("*.py") if "__pycache__" not in p.parts}
     for folder in ("agents", "formatters"):
         names |= {f"nixl_kv/{folder}/{p.name}" for p in (ROOT / folder).glob("*.py")}
-    return names | {"nixl_kv/py.typed", COMPILED}
+    return names | {"nixl_kv/py.typed", *COMPILED}
 
 
 def _source_of(wheel_name: str) -> str:
     """Where a file of the wheel comes from in the checkout (and the sdist)."""
-    if wheel_name == COMPILED:
-        return "nixl_kv/_fastpath.pyx"
+    if wheel_name in COMPILED:
+        return COMPILED[wheel_name]
     for folder in ("agents", "formatters"):
         if wheel_name.startswith(f"nixl_kv/{folder}/"):
             return wheel_name.removeprefix("nixl_kv/")
@@ -70,7 +74,7 @@ def _source_of(wheel_name: str) -> str:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The sdist and the wheel built from it; no isolated build environment (setuptools, Cython and build come with
-    the test extras), so it works offline. The wheel's build compiles nixl_kv._fastpath from the sdist's .pyx."""
+    the test extras), so it works offline. The wheel's build compiles the two modules from the sdist's sources."""
     out = tmp_path_factory.mktemp("dist")
     _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)], out, 300)
     wheels, sdists = sorted(out.glob("*.whl")), sorted(out.glob("*.tar.gz"))
@@ -122,9 +126,10 @@ def test_the_sdist_holds_what_the_wheel_is_built_from(built: tuple[Path, Path]) 
     with zipfile.ZipFile(built[0]) as wheel:
         needed = {_source_of(n) for n in wheel.namelist() if not n.startswith(f"nixl_kv-{VERSION}.dist-info")}
     assert "agents/nixl_agent.py" in needed and "formatters/standard.py" in needed
-    assert not needed - members, sorted(needed - members)
+    assert not (needed | CORE_C) - members, sorted((needed | CORE_C) - members)
     assert {"pyproject.toml", "setup.py", "README.md", "PKG-INFO"} <= members
-    assert not [name for name in members if name.endswith((".so", ".c"))]  # built from the .pyx, never shipped built
+    built_files = [name for name in members if name.endswith(".so") or (name.endswith(".c") and name not in CORE_C)]
+    assert not built_files  # built from the .pyx and the core's own C, never shipped built
 
 
 def test_the_wheel_installs_beside_openai_agents(wheel_venv: Path, tmp_path: Path) -> None:
@@ -161,6 +166,7 @@ print(json.dumps({
     "version": nixl_kv.__version__,
     "py_typed": (Path(nixl_kv.__file__).parent / "py.typed").is_file(),
     "fastpath": __import__("nixl_kv._fastpath").__file__ and sys.modules["nixl_kv._fastpath"].__file__,
+    "core": __import__("nixl_kv._core").__file__ and sys.modules["nixl_kv._core"].__file__,
     "sealed": __import__("nixl_kv.params_seal").params_seal.is_sealed(b"\xcf" + bytes(8)),
     "agent": agent_class("NIXL").__module__,
     "agent_source": available("nixl_kv.agents")["NIXL"][0].source,
@@ -178,7 +184,9 @@ print(json.dumps({
     assert report["nixl_kv_broken"] == []
     assert report["nixl_kv_files"] == ["..", "nixl_kv", f"nixl_kv-{VERSION}.dist-info"]  # ../../../bin/nixl-kv
     assert report["version"] == VERSION and report["py_typed"]
-    assert report["fastpath"] == str(site / COMPILED) and report["sealed"] is False  # the wheel's compiled module
+    fastpath, core = (str(site / name) for name in COMPILED)
+    assert report["fastpath"] == fastpath and report["sealed"] is False  # the wheel's compiled modules
+    assert report["core"] == core
     assert report["agent"] == "nixl_kv.agents.nixl_agent" and report["agent_source"] == f"nixl-kv {VERSION}"
 
 
