@@ -18,11 +18,11 @@ import numpy as np
 from nixl_kv.layout import KVLayout
 
 # Explicit rows cost the gen's CPU more than prepared indices: the agent describes and looks up each row per READ.
-# Measured on the 2-core CPU machine (DRAM loopback, one READ posted and completed, p50): prepared indices 8.5 µs
-# for one 4 KiB entry and 32 µs for 64, one row of the same bytes 6 µs more (14.7 and 38.7 µs). So on DRAM an entry
-# costs about 0.4 µs and rows pay where they save 16 or more; on a GPU an entry costs about 10 µs (cuda_ipc, issue
-# 33), and rows pay where they save one.
-MIN_SAVED = {"VRAM": 1, "DRAM": 16}
+# Measured on the 2-core CPU machine through the compiled core (DRAM loopback, one READ posted and completed, p50,
+# under load): prepared indices 4.0 µs for one 4 KiB entry and 25.8 µs for 64, one row of the same bytes 6.7 and
+# 23.2 µs. So on DRAM an entry costs about 0.35 µs and a READ of rows about 2.7 µs more: rows pay where they save 8
+# or more; on a GPU an entry costs about 10 µs (cuda_ipc, issue 33), and rows pay where they save one.
+MIN_SAVED = {"VRAM": 1, "DRAM": 8}
 # Up to this many entries, runs are found in a Python loop: numpy's per-call cost (a few µs an operation, about ten
 # operations) is more than the loop's on the fast path's common requests (a few blocks).
 SMALL = 64

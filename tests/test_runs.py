@@ -132,7 +132,7 @@ def _receive_all(pair: Pair, gen_ids: list[int], ctx_ids: list[int], lengths: li
 def test_adjacent_blocks_are_read_as_one_descriptor_byte_exact(pair: Pair) -> None:
     paths = pair.gen.transceiver.metrics.paths
     before = paths().get("coalesced", 0)
-    # 20, 19 and 17 blocks, each one run on both sides (on DRAM rows pay from 16 descriptors saved: ``MIN_SAVED``)
+    # 20, 19 and 17 blocks, each one run on both sides (on DRAM rows pay from 8 descriptors saved: ``MIN_SAVED``)
     _receive_all(pair, [100, 101, 102], [0, 1, 2], [320, 300, 257])
     assert paths().get("coalesced", 0) - before == 3
 
