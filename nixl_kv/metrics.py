@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import weakref
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -103,6 +104,7 @@ class TransferMetrics:
         self.instance_id = instance_id
         self._lock = threading.Lock()
         self._sides = {"ctx": SideCounters(), "gen": SideCounters()}
+        self._paths: Counter[str] = Counter()  # gen: per-peer reads by the path the plan chose (``gen.plan.path_of``)
         _Prometheus.track(self)
 
     def add(self, side: str, **increments: int) -> None:
@@ -114,6 +116,15 @@ class TransferMetrics:
     def set_poisoned(self, side: str, count: int) -> None:
         with self._lock:
             self._sides[side].poisoned_slots = count
+
+    def count_path(self, path: str) -> None:
+        with self._lock:
+            self._paths[path] += 1
+
+    def paths(self) -> dict[str, int]:
+        """How many per-peer reads took each path (the gen side; for benchmarks and tests)."""
+        with self._lock:
+            return dict(self._paths)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -3,7 +3,8 @@
 # each: one 128-token request at a time idle, with a busy Python thread in every process, and with it and a
 # shorter GIL switch interval; then single requests of growing size, a burst of 1000 128-token requests, the
 # mismatched pairings (2048 tokens) and three first rounds with --connect-ahead.
-# GB/s are medians of the rounds after the first; the ratio is to a raw one-descriptor NIXL READ of the same run.
+# GB/s are medians of the rounds after the first; the ratio is to a raw one-descriptor NIXL READ of the same run;
+# paths: the gen's per-peer reads by the path the plan chose (prepared, coalesced, rows, gathered, staged).
 source "$(dirname "$0")/_gpu_env.sh"
 pair() { python3 -m nixl_kv.cli pair --device cuda --json "$@" 2>/dev/null | tail -1 | python3 -c "$SUMMARY"; }
 SUMMARY='
@@ -15,7 +16,7 @@ raw = d["raw_read_gbps"]
 print(json.dumps({"verified": "%d/%d" % (d["verified"], d["requests"]), "p50_us": d.get("latency_p50_us"),
     "p99_us": d.get("latency_p99_us"), "first_round_ms": d.get("first_round_ms"), "gbps": round(gbps, 1),
     "gbps_min_max": [round(min(later), 1), round(max(later), 1)], "raw_gbps": raw and round(raw, 1),
-    "ratio": raw and round(gbps / raw, 3), "per_block_gbps": d.get("per_block_read_gbps")}))'
+    "ratio": raw and round(gbps / raw, 3), "per_block_gbps": d.get("per_block_read_gbps"), "paths": d.get("paths")}))'
 ROUNDS="${LATENCY_ROUNDS:-300}"
 echo "latency idle"; pair --requests 128 --rounds "$ROUNDS"
 for gil_us in ${BUSY_GIL_US:-default 100 20}; do
@@ -26,6 +27,8 @@ done
 for tokens in ${SIZES:-128 512 2048 8192 32768}; do echo "size $tokens"; pair --requests "$tokens" --rounds 6; done
 echo "burst of 1000"; pair --requests "$(python3 -c "print(','.join(['128'] * 1000))")" --rounds "${BURST_ROUNDS:-3}"
 # Mismatched layouts, MLA + indexer-K and the Mamba hybrid (MISMATCHED_TOKENS= skips them).
+echo "same layout, vLLM per-layer NHD, 16-token blocks, 2048 tokens"
+pair --requests 2048 --rounds 6 --ctx layout=nhd --gen layout=nhd --tokens-per-block 16
 mismatched=(
   "--ctx layout=block_major --gen layout=nhd"
   "--ctx tp=4 --gen tp=2 --placement split"
@@ -37,4 +40,4 @@ mismatched=(
 for tokens in ${MISMATCHED_TOKENS-2048}; do
   for flags in "${mismatched[@]}"; do echo "mismatched $tokens: $flags"; pair --requests "$tokens" --rounds 6 $flags; done
 done
-echo "first round with --connect-ahead"; for _ in 1 2 3; do pair --requests 128 --rounds 3 --connect-ahead; done
+echo "first round with --connect-ahead"; for _ in ${CONNECT_AHEAD_RUNS-1 2 3}; do pair --requests 128 --rounds 3 --connect-ahead; done

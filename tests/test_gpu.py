@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,26 @@ def test_hybrid_mamba_state_on_vram(ctx: str, gen: str, layout: str) -> None:
     rnn = f"layers=4,heads=8,head_dim=64,d_state=128,d_conv=4,n_groups=2,layout={layout},ssm_dtype=bfloat16"
     common = ("--layers", "2", "--kv-heads", "4", "--head-dim", "64", "--rnn", rnn)
     _pair(f"--ctx={ctx}", f"--gen={gen}", *common, "--requests", "1,100,1000", "--rounds", "2")
+
+
+@pytest.mark.parametrize("layout", ["block_major", "nhd"])
+def test_adjacent_blocks_move_as_one_descriptor_per_run(layout: str) -> None:
+    """Issue 33: on VRAM a request of more than one block (adjacent on both sides: the allocators hand out runs) is
+    read as explicit rows, one per run (``coalesced``); a one-block request keeps its prepared entries."""
+    common = ("--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--requests", "1,100,1000", "--rounds", "2")
+    summary = _pair(f"--ctx=layout={layout}", f"--gen=layout={layout}", *common)
+    assert summary["paths"] == {"prepared": 2, "coalesced": 4}, summary["paths"]
+
+
+@pytest.mark.parametrize(("layout", "batch"), [("block_major", False), ("nhd", False), ("block_major", True)])
+def test_cuda_ipc_gather_between_two_processes(layout: str, batch: bool) -> None:
+    """Issue 33: the gen maps the ctx's pools through CUDA IPC and one kernel a request (or a batch) copies every
+    row; every element is checked (the script exits 1 on any difference)."""
+    script = Path(__file__).parent.parent / "scripts" / "bench_ipc_gather.py"
+    command = [sys.executable, str(script), "--layout", layout, "--tokens", "100", "--requests", "5", "--rounds", "2"]
+    command += ["--layers", "4", "--tokens-per-block", "16", *(["--batch"] if batch else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["verified"] and summary["mismatched_elements"] == 0, summary
+    assert summary["launches_per_round"] == (1 if batch else 5), summary

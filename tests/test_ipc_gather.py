@@ -21,14 +21,16 @@ def test_tiles_cover_every_row_exactly_once() -> None:
     rng = np.random.default_rng(7)
     lengths = np.array([TILE_BYTES * 3, 48, TILE_BYTES + 16, 0, 2 * TILE_BYTES - 32], dtype=np.int64)
     sources = np.cumsum(np.concatenate(([0], lengths[:-1])))
-    destinations = sources + lengths.sum() + 64
-    memory = np.zeros(int(destinations[-1] + lengths[-1]), dtype=np.uint8)
-    memory[: lengths.sum()] = rng.integers(0, 256, int(lengths.sum()), dtype=np.uint8)
+    total = int(lengths.sum())
+    destinations = sources + total + 64
+    memory = np.zeros(2 * total + 64, dtype=np.uint8)
+    memory[:total] = rng.integers(0, 256, total, dtype=np.uint8)
     table, vector = tile_table(destinations, sources, lengths)
     assert vector and table.dtype == np.uint64
-    assert table.reshape(-1, 3)[:, 2].tolist() == [TILE_BYTES] * 3 + [48, TILE_BYTES, 16, TILE_BYTES, TILE_BYTES - 32]
+    sizes = table.reshape(-1, 3)[:, 2].tolist()
+    assert sizes == [TILE_BYTES] * 3 + [48, TILE_BYTES, 16, TILE_BYTES, TILE_BYTES - 32]
     _copy_tiles(memory, table)
-    assert np.array_equal(memory[64 + lengths.sum() :], memory[: lengths.sum()])
+    assert np.array_equal(memory[total + 64 :], memory[:total])
     assert not tile_table(np.array([1]), np.array([0]), np.array([32]))[1]  # an odd address: bytes, not vectors
 
 

@@ -16,6 +16,7 @@ from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
 from nixl_kv.plan_cache import PlanCache
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
+from nixl_kv.runs import MIN_SAVED, coalesced_rows
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState, RankCommInfo
 from nixl_kv.topology import position
 
@@ -65,15 +66,18 @@ class Planner:
         if ctx_state.hold_key and self._side.landing is not None and direct_eligible(plan, ranks, layerwise):
             incoming.fast = True
             incoming.pulls = [self._direct_pull(read, params, ctx_state) for read in plan]
-            return
-        incoming.pulls = [
-            Pull(
-                self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
-                ranks[read.peer_rank],
-                layerwise=layerwise and read.has_kv,
-            )
-            for read in plan
-        ]
+        else:
+            incoming.pulls = [
+                Pull(
+                    self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
+                    ranks[read.peer_rank],
+                    layerwise=layerwise and read.has_kv,
+                )
+                for read in plan
+            ]
+        for pull in incoming.pulls:
+            if pull.read.expected_readers:
+                self._side.metrics.count_path(path_of(pull.read, layerwise))
 
     def local_blocks(self, request_id: int) -> np.ndarray:
         try:
@@ -96,10 +100,19 @@ class Planner:
         return self._side.formatter.plan(read_request)
 
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
-        """A direct KV part and the state after it, read together: each READ costs a confirmation round trip."""
-        if read.state is None or read.local_indices is None:
+        """A direct KV part as explicit rows where that posts fewer descriptors (``nixl_kv.runs``: adjacent blocks
+        on both sides merge), and read with the state after it: each READ costs a confirmation round trip."""
+        if read.local_indices is None:
             return read
         local, remote = self._side.cache.layout, rank.layout
+        if read.state is None:
+            saved = MIN_SAVED[local.pools[0].memory.value]
+            rows = coalesced_rows(local, read.local_indices, remote, read.remote_indices, read.coarse, saved)
+            if rows is None:
+                return read  # the prepared lists post it as cheaply
+            return dataclasses.replace(
+                read, nbytes=0, local_indices=None, remote_indices=None, state=RangeRead("kv", *rows)
+            )
         kv = RangeRead(
             "kv",
             *coalesce(
@@ -131,3 +144,20 @@ class Planner:
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]
         return min([self._side.staging.slot_bytes, *ctx_slots]) if ctx_slots else 0
+
+
+def path_of(read: PeerRead, layerwise: bool = False) -> str:
+    """The way a per-peer read moves its bytes, as ``nixl-kv pair`` reports it: ``prepared`` (one prepared entry per
+    block or unit), ``coalesced`` (explicit rows, adjacent blocks merged), ``rows`` (rows with per-request state
+    folded in), ``gathered`` (whole ctx segments into our slot, unpacked here), ``staged`` (packed by the ctx)."""
+    if read.gathered:
+        path = "gathered"
+    elif read.staged:
+        path = "staged"
+    elif read.local_indices is not None:
+        path = "prepared"
+    elif read.state is not None:
+        path = "coalesced" if read.state.what == "kv" else "rows"
+    else:
+        path = "none"
+    return f"layerwise {path}" if layerwise else path

@@ -239,6 +239,12 @@ def _figures_only(value: Any) -> Any:
     return [_figures_only(item) for item in value] if isinstance(value, list) else value
 
 
+def _paths(figure: dict[str, Any]) -> str:
+    """The paths the run's per-peer reads took, most used first (``nixl_kv.gen.plan.path_of``)."""
+    paths = sorted(figure["pair"].get("paths", {}).items(), key=lambda item: -item[1])
+    return ",".join(path for path, _ in paths) or "-"
+
+
 def format_bench(result: dict[str, Any]) -> str:
     """The figures as a compact table: GB/s unless said, median of the rounds after the first (min-max)."""
     model, options = result["model"], result["options"]
@@ -249,7 +255,7 @@ def format_bench(result: dict[str, Any]) -> str:
         f"{model['tokens_per_block']} tokens per block; {options['rounds']} rounds, median of rounds 2+ (min-max)"
         f"{busy_note}",
         f"{'tokens':>7} {'MiB':>8}  {'nixl_kv':<26} {'raw':>7} {'/raw':>5}  {'busy':<26} {'busy/idle':>9} "
-        f"{'per-block':>9} {'memcpyPeer':>10} {'NCCL':>7}",
+        f"{'per-block':>9} {'memcpyPeer':>10} {'NCCL':>7}  path",
     ]
     for row in result["sweep"]:
         idle, busy = row["idle"], row["busy"]
@@ -257,18 +263,18 @@ def format_bench(result: dict[str, Any]) -> str:
             f"{row['tokens']:>7} {row['request_bytes'] / 2**20:>8.2f}  {_spread(idle):<26} "
             f"{_number(idle['raw_read_gbps']):>7} {_times(idle['ratio_to_raw']):>5}  {_spread(busy):<26} "
             f"{_times(row['busy_over_idle_gbps']):>9} {_number(idle['per_block_read_gbps']):>9} "
-            f"{_number(row['memcpy_peer_gbps']):>10} {_number(row['nccl_sendrecv_gbps']):>7}"
+            f"{_number(row['memcpy_peer_gbps']):>10} {_number(row['nccl_sendrecv_gbps']):>7}  {_paths(idle)}"
         )
     for name, case in result["mismatched"].items():
         lines.append(
             f"{name:<20} {case['tokens']} tokens, {case['layers']} layers: {_spread(case)}, "
-            f"raw {_number(case['raw_read_gbps'])}, /raw {_times(case['ratio_to_raw'])}"
+            f"raw {_number(case['raw_read_gbps'])}, /raw {_times(case['ratio_to_raw'])}, path {_paths(case)}"
         )
     burst = result["concurrent_128_tokens"]
     lines.append(
         f"{burst['requests']} concurrent 128-token requests: {_spread(burst, 'requests_per_s', '.0f')} requests/s, "
-        f"{_spread(burst)}, /raw {_times(burst['ratio_to_raw'])}; latency µs p50 {burst['latency_p50_us']:.0f} "
-        f"p99 {burst['latency_p99_us']:.0f}"
+        f"{_spread(burst)}, /raw {_times(burst['ratio_to_raw'])}, path {_paths(burst)}; latency µs p50 "
+        f"{burst['latency_p50_us']:.0f} p99 {burst['latency_p99_us']:.0f}"
     )
     latency = result["latency_128_tokens"]
     runs = [

@@ -197,6 +197,7 @@ class PairReport:
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
     forged_messages: dict[str, int] = field(default_factory=dict)  # per instance: control messages it dropped
+    paths: dict[str, int] = field(default_factory=dict)  # gen per-peer reads by the path chosen (``gen.plan.path_of``)
     backend: str = "NIXL"  # the transfer agent of the run and of its raw READ
 
     @property
@@ -287,6 +288,7 @@ class PairReport:
             },
             "unexpected": len(self.unexpected),
             "forged_messages": self.forged_messages,
+            "paths": self.paths,
             "leaks": self.leaks,
             "rss_growth_kb": self.rss_growth_kb,
             "ok": self.ok,
@@ -496,6 +498,7 @@ def run_pair(options: PairOptions, progress: Any = None) -> PairReport:
             if bye and worker.ready_rss_kb:
                 report.rss_growth_kb[worker.role] = bye.get("rss_kb", 0) - worker.ready_rss_kb
             report.forged_messages[worker.role] = bye.get("forged_messages", 0)
+            report.paths.update(bye.get("paths", {}))
     return report
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import dataclasses
 import json
 import logging
@@ -693,9 +694,12 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
         instance.close()
     live = comm.allgather(_left_after_close(instance))
     forged = sum(comm.allgather(instance.transceiver.metrics.snapshot()[role]["forged_messages"]))
+    paths = collections.Counter()
+    for counts in comm.allgather(instance.transceiver.metrics.paths()):
+        paths.update(counts)
     if lead:
         live_total = {name: sum(counts[name] for counts in live) for name in live[0]}
-        emit(op="bye", live=live_total, rss_kb=_rss_kb(), forged_messages=forged)
+        emit(op="bye", live=live_total, rss_kb=_rss_kb(), forged_messages=forged, paths=dict(paths))
 
 
 def _left_after_close(instance: Instance) -> dict[str, int]:
