@@ -48,6 +48,32 @@ CHECKPOINTS = {
             max_position_embeddings=1024,
         ),
     ),
+    # vLLM's hybrid family on its CPU build (vLLM 0.32 has no Bamba): Granite-4.0-H-like, Mamba2 and attention
+    # layers, no experts. Head dim 64 and 32 Mamba head dim, as vLLM's CPU kernels need.
+    "granite_hybrid": dict(
+        architecture="GraniteMoeHybridForCausalLM",
+        config=dict(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            shared_intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            position_embedding_type="rope",
+            max_position_embeddings=8192,
+            initializer_range=0.3,
+        ),
+    ),
 }
 
 

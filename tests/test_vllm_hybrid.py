@@ -1,0 +1,100 @@
+"""A hybrid Mamba2 + attention model (Granite-4.0-H-like, ``granite_hybrid``) through NixlKvConnector inside real vLLM,
+with vLLM's hybrid KV cache manager on (``SupportsHMA``): the attention KV and the Mamba conv and SSM state move in
+one pull, and every output must equal an aggregated vLLM's on the same checkpoint.
+
+One module-scoped set of servers (prefix caching off, as vLLM runs Mamba state without its "align" mode): a prefill,
+a decode, a decode of tensor-parallel size 2 (the state resharded by heads and groups), an aggregated one, and a
+router. The last test kills the prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nixl_kv.vllm.client import complete, prompt_of, scrape
+from nixl_kv.vllm.launch import KINDS, Instance, VllmServers, make_model
+from tests.test_vllm import FAILED, MAX_TOKENS, PYTHON, RECEIVED, TRANSFER_TIMEOUT_MS, Pair, decode_with, wait_for
+
+pytestmark = pytest.mark.vllm
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if not Path(PYTHON).exists():
+        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
+    model = make_model(tmp_path_factory.mktemp("vllm") / "hybrid", python=PYTHON, kind="granite_hybrid")
+    args = KINDS["granite_hybrid"]
+    decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
+    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
+        prefill = servers.start(Instance("kv_producer", extra_args=args), "prefill")
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config, extra_args=args), "decode")
+        wide = servers.start(Instance("kv_both", tp=2, extra_args=args), "decode-tp2")
+        aggregated = servers.start(Instance(extra_args=args), "aggregated")
+        router = servers.start_router([prefill], [decode])
+        servers.wait()
+        with httpx.Client(timeout=120) as client:
+            yield Pair(prefill, decode, aggregated, router, prefill, wide, client)
+
+
+def counters(pair: Pair, server: object) -> tuple[float, float]:
+    samples = scrape(pair.client, server.url)
+    return samples.get(RECEIVED, 0.0), samples.get(FAILED, 0.0)
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_with_nixl_kv(pair: Pair) -> None:
+    for server in (pair.prefill, pair.decode, pair.wide):
+        assert server.log.read_text().count(HMA_OFF) == 0, server.role
+
+
+@pytest.mark.parametrize("length", [2, 33, 257, 1000])
+def test_the_hybrid_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length: int) -> None:
+    prompt = prompt_of(length, seed=11)
+    received, failed = counters(pair, pair.decode)
+    answer = complete(pair.client, pair.router.url, prompt, MAX_TOKENS)
+    assert answer.status == 200, answer.error
+    assert answer.tokens == pair.expected(prompt)
+    assert counters(pair, pair.decode) == (received + 1, failed)  # the KV and the state were pulled, not recomputed
+
+
+def test_concurrent_hybrid_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
+    prompts = [prompt_of(40 + 61 * i, seed=12) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda p: complete(pair.client, pair.router.url, p, MAX_TOKENS, stream=False), prompts))
+    assert [a.status for a in answers] == [200] * 6
+    assert [a.tokens for a in answers] == [pair.expected(p) for p in prompts]
+
+
+def test_a_tensor_parallel_decode_reshards_the_mamba_state_by_heads_and_groups(pair: Pair) -> None:
+    prompt = prompt_of(300, seed=13)
+    received, failed = counters(pair, pair.wide)
+    params = prefilled(pair, prompt)
+    assert decode_with(pair, prompt, params, pair.wide) == (200, pair.expected(prompt))
+    assert wait_for(lambda: counters(pair, pair.wide)[0]) == received + 2  # one pull per rank
+    assert counters(pair, pair.wide)[1] == failed
+
+
+def test_a_killed_hybrid_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
+    prompt = prompt_of(400, seed=14)
+    params = prefilled(pair, prompt)
+    pair.prefill.kill()
+    received, failed = counters(pair, pair.decode)
+    started = time.monotonic()
+    assert decode_with(pair, prompt, params) == (200, pair.expected(prompt))
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_MS / 1000 + 20  # the deadline, then a recompute
+    assert counters(pair, pair.decode) == (received, failed + 1)
+
+
+def prefilled(pair: Pair, prompt: list[int]) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    response = pair.client.post(pair.prefill.url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    params = response.json()["kv_transfer_params"]
+    assert params["remote_num_tokens"] == len(prompt) - 1  # the decode computes the last token on the state before it
+    return params
