@@ -17,9 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nixl_kv.vllm.client import complete, prompt_of, scrape
+from nixl_kv.vllm.client import complete, prompt_of
 from nixl_kv.vllm.launch import KINDS, Instance, VllmServers, make_model
-from tests.test_vllm import FAILED, MAX_TOKENS, PYTHON, RECEIVED, TRANSFER_TIMEOUT_MS, Pair, decode_with, wait_for
+from tests.test_vllm import (
+    MAX_TOKENS,
+    PYTHON,
+    TRANSFER_TIMEOUT_MS,
+    Pair,
+    counters,
+    decode_with,
+    prefilled_params,
+    why_not_pulled,
+)
 
 pytestmark = pytest.mark.vllm
 HMA_OFF = "Turning off hybrid kv cache manager"
@@ -43,11 +52,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             yield Pair(prefill, decode, aggregated, router, prefill, wide, client)
 
 
-def counters(pair: Pair, server: object) -> tuple[float, float]:
-    samples = scrape(pair.client, server.url)
-    return samples.get(RECEIVED, 0.0), samples.get(FAILED, 0.0)
-
-
 def test_vllm_keeps_its_hybrid_kv_cache_manager_with_nixl_kv(pair: Pair) -> None:
     for server in (pair.prefill, pair.decode, pair.wide):
         assert server.log.read_text().count(HMA_OFF) == 0, server.role
@@ -60,7 +64,7 @@ def test_the_hybrid_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length
     answer = complete(pair.client, pair.router.url, prompt, MAX_TOKENS)
     assert answer.status == 200, answer.error
     assert answer.tokens == pair.expected(prompt)
-    assert counters(pair, pair.decode) == (received + 1, failed)  # the KV and the state were pulled, not recomputed
+    assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)  # pulled, not computed
 
 
 def test_concurrent_hybrid_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
@@ -76,8 +80,7 @@ def test_a_tensor_parallel_decode_reshards_the_mamba_state_by_heads_and_groups(p
     received, failed = counters(pair, pair.wide)
     params = prefilled(pair, prompt)
     assert decode_with(pair, prompt, params, pair.wide) == (200, pair.expected(prompt))
-    assert wait_for(lambda: counters(pair, pair.wide)[0]) == received + 2  # one pull per rank
-    assert counters(pair, pair.wide)[1] == failed
+    assert counters(pair, pair.wide) == (received + 2, failed), why_not_pulled(pair.wide)  # one pull per rank
 
 
 def test_a_killed_hybrid_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
@@ -92,9 +95,6 @@ def test_a_killed_hybrid_prefill_costs_its_deadline_and_a_recompute_never_a_wron
 
 
 def prefilled(pair: Pair, prompt: list[int]) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    response = pair.client.post(pair.prefill.url + "/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    params = response.json()["kv_transfer_params"]
+    params = prefilled_params(pair, pair.prefill, prompt)
     assert params["remote_num_tokens"] == len(prompt) - 1  # the decode computes the last token on the state before it
     return params

@@ -67,7 +67,11 @@ class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
             lease_ms=int(transfer.get_from_extra_config("lease_ms", DEFAULT_LEASE_MS)),
             enable_inflight_cancel=True,
         )
-        shape = AttentionShape(model.get_num_kv_heads(parallel), model.get_head_size(), groups.block_size)
+        from vllm.platforms import current_platform
+
+        shape = AttentionShape(
+            model.get_num_kv_heads(parallel), model.get_head_size(), groups.block_size, cpu=current_platform.is_cpu()
+        )
         self._worker = WorkerSide(
             shape,
             model.get_total_num_kv_heads(),

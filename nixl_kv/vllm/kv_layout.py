@@ -1,11 +1,15 @@
 """vLLM's KV cache tensors described as one ``KVLayout``, and the ``CacheState`` both instances compare.
 
-vLLM hands ``register_kv_caches`` one tensor per attention layer. Two physical forms are known:
+vLLM hands ``register_kv_caches`` one tensor per attention layer. The physical forms known:
 
 - the CPU backend's ``[blocks, kv heads, block size, 2 * head dim]``: per block and head, K dim-major then V
   token-major (its "vec" kernels; ``LayoutKind.PER_LAYER_HKND``, one pool per layer);
-- the GPU backends' ``[2, blocks, block size, kv heads, head dim]`` (K and V halves), laid out NHD or, by stride
-  order, HND (``PER_LAYER_NHD`` / ``PER_LAYER_HND``, one pool per layer and K/V).
+- vLLM 0.32's GPU views ``[blocks, heads, tokens, content]`` of one backing allocation, ordered by its
+  ``KVCacheLayout``: a token's K then V of one head in ``content`` (FlashAttention, FlashInfer; or the MLA latent,
+  one head), each (block, head, token) unit moved as it is (``kv_factor`` 1). ``LBNHC`` is ``PER_LAYER_NHD``,
+  ``LBHNC`` ``PER_LAYER_HND``, the block-outermost ``BLHNC`` (all layers of a block together, the cross-layer
+  layout) ``BLOCK_MAJOR``; ``BLNHC`` is refused (``_describe_views``);
+- older vLLM's ``[2, blocks, block size, kv heads, head dim]`` (K and V halves), NHD or by stride order HND.
 
 A hybrid model's Mamba2 layers (vLLM's hybrid KV cache manager) get a ``[blocks, ...]`` view of pages that hold a
 block's conv state (``[channels, d_conv - 1]``, vLLM's "DS" order) then its SSM state (``[heads, head_dim,
@@ -26,18 +30,20 @@ import torch
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion, RnnLayout
-from nixl_kv.state import CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
+from nixl_kv.state import AttentionType, CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
 
 TORCH_DTYPES = {torch.float32: DataType.FLOAT32, torch.bfloat16: DataType.BFLOAT16, torch.float16: DataType.FLOAT16}
 
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What one rank's attention layers hold: its kv heads, head dim and block size."""
+    """What one rank's attention layers hold: its kv heads, head dim and block size (MLA: one head, the latent)."""
 
     num_heads: int
     head_dim: int
     block_size: int
+    mla: bool = False
+    cpu: bool = False  # vLLM's CPU attention kernels order the blocks (HKND), not its GPU backends
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,12 @@ def describe(tensors: list[torch.Tensor], shape: AttentionShape) -> tuple[KVLayo
     if any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in tensors):
         raise NotSupportedError("every attention layer's KV cache must have the same shape, dtype and device")
     H, D, T = shape.num_heads, shape.head_dim, shape.block_size
-    if first.dim() == 4 and tuple(first.shape[1:]) == (H, T, 2 * D) and first.is_contiguous():
+    cpu_hknd = shape.cpu and not shape.mla and first.is_contiguous()
+    if first.dim() == 4 and tuple(first.shape[1:]) == (H, T, 2 * D) and cpu_hknd:
         _check_cpu_kernels(first.dtype, T, D)
         kind, halves = LayoutKind.PER_LAYER_HKND, [[t] for t in tensors]
+    elif first.dim() == 4:
+        return _describe_views(tensors, shape), dtype
     elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[2:]) == (T, H, D):
         kind = _kv_half_kind(first[0])
         halves = [[t[0], t[1]] for t in tensors]
@@ -109,6 +118,54 @@ def describe(tensors: list[torch.Tensor], shape: AttentionShape) -> tuple[KVLayo
     if problems:
         raise NotSupportedError(f"vLLM's KV cache does not describe as a layout: {'; '.join(problems)}")
     return layout, dtype
+
+
+def _describe_views(tensors: list[torch.Tensor], shape: AttentionShape) -> KVLayout:
+    """vLLM 0.32's ``[blocks, heads, tokens, content]`` layer views (content: K then V of a head's token, or the MLA
+    latent): their strides say the ``KVCacheLayout``; each (block, head, token) unit of ``content`` elements moves
+    as it is, so both sides must hold the same content (``kv_factor`` 1, head dim ``content``)."""
+    first = tensors[0]
+    B, H, T, C = (int(n) for n in first.shape)
+    want = shape.head_dim if shape.mla else 2 * shape.head_dim
+    if (shape.num_heads, shape.block_size, want) != (H, T, C):
+        raise NotSupportedError(
+            f"KV cache view {tuple(first.shape)} is not [blocks, {shape.num_heads} heads, {shape.block_size} tokens, "
+            f"{want}]"
+        )
+    block, head, token, elem = first.stride()
+    if elem != 1 or any(t.stride() != first.stride() for t in tensors):
+        raise NotSupportedError(f"KV cache strides {first.stride()}: content must be contiguous, every layer alike")
+    page = H * T * C
+    if token == C and (head == T * C or H == 1):
+        kind = LayoutKind.PER_LAYER_HND  # LBHNC (FlashInfer's HND; MLA's one head)
+    elif head == C and token == H * C:
+        kind = LayoutKind.PER_LAYER_NHD  # LBNHC (FlashAttention's)
+    else:
+        raise NotSupportedError(f"KV cache strides {first.stride()} order a block neither [heads, tokens] nor back")
+    itemsize, L = first.element_size(), len(tensors)
+    if block == page:
+        pools = tuple(MemoryRegion(t.data_ptr(), B * page * itemsize, *_device(t)) for t in tensors)
+    elif (
+        block == L * page
+        and kind is LayoutKind.PER_LAYER_HND
+        and all(t.data_ptr() == first.data_ptr() + i * page * itemsize for i, t in enumerate(tensors))
+    ):
+        kind = LayoutKind.BLOCK_MAJOR
+        pools = (MemoryRegion(first.data_ptr(), B * L * page * itemsize, *_device(first)),)
+    else:
+        raise NotSupportedError(
+            f"KV cache block stride {block} for {L} layers of {page}-element pages: only layer-major pages or the "
+            "block-outermost [blocks, layers, heads, tokens] (BLHNC) are described"
+        )
+    layout = KVLayout(kind, B, L, 1, H, T, C, itemsize, pools)
+    problems = layout.problems()
+    if problems:
+        raise NotSupportedError(f"vLLM's KV cache does not describe as a layout: {'; '.join(problems)}")
+    return layout
+
+
+def _device(tensor: torch.Tensor) -> tuple[int, MemoryKind]:
+    return tensor.device.index or 0, MemoryKind.VRAM if tensor.device.type == "cuda" else MemoryKind.DRAM
 
 
 def _check_cpu_kernels(dtype: torch.dtype, block_size: int, head_dim: int) -> None:
@@ -149,8 +206,7 @@ def describe_mamba(tensors: list[torch.Tensor], shape: MambaShape) -> RnnLayout:
         )
     (channels, width), (heads, head_dim, d_state) = shape.conv, shape.ssm
     span = (num_blocks - 1) * page
-    memory = MemoryKind.VRAM if first.device.type == "cuda" else MemoryKind.DRAM
-    device = first.device.index or 0
+    device, memory = _device(first)
     layout = RnnLayout(
         num_layers=len(tensors),
         num_slots=num_blocks,
@@ -213,19 +269,24 @@ def mamba_config(shape: MambaShape, model: MambaModel, tp: int, num_layers: int)
 
 
 def _region(part: torch.Tensor) -> MemoryRegion:
-    device = part.device
-    memory = MemoryKind.VRAM if device.type == "cuda" else MemoryKind.DRAM
-    return MemoryRegion(part.data_ptr(), part.numel() * part.element_size(), device.index or 0, memory)
+    return MemoryRegion(part.data_ptr(), part.numel() * part.element_size(), *_device(part))
 
 
 def cache_state(
-    total_kv_heads: int, layout: KVLayout, dtype: DataType, tp: int, rnn: RnnConfig | None = None
+    total_kv_heads: int,
+    layout: KVLayout,
+    dtype: DataType,
+    tp: int,
+    rnn: RnnConfig | None = None,
+    mla: bool = False,
 ) -> CacheState:
-    """The instance's cache as nixl_kv compares it with a peer's: heads over TP, every layer on one PP stage, and
-    the Mamba state of a hybrid model beside it."""
+    """The instance's cache as nixl_kv compares it with a peer's: heads over TP (MLA: one latent head, replicated),
+    every layer on one PP stage, and the Mamba state of a hybrid model beside it."""
     return CacheState(
-        ModelConfig((total_kv_heads,) * layout.num_layers, layout.head_dim, layout.tokens_per_block),
+        ModelConfig((1 if mla else total_kv_heads,) * layout.num_layers, layout.head_dim, layout.tokens_per_block),
         ParallelConfig(tp=tp, attention_layers_per_pp_rank=(layout.num_layers,)),
         dtype,
+        attention_type=AttentionType.MLA if mla else AttentionType.DEFAULT,
+        kv_factor=layout.kv_factor,
         rnn=rnn,
     )
