@@ -74,6 +74,30 @@ CHECKPOINTS = {
             initializer_range=0.3,
         ),
     ),
+    # DeepSeek-V2-style multi-head latent attention (MLA), dense layers only (first_k_dense_replace = every layer):
+    # a latent KV cache of kv_lora_rank + qk_rope_head_dim per token, one "head"
+    "deepseek_mla": dict(
+        architecture="DeepseekV2ForCausalLM",
+        config=dict(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=4,
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
+            max_position_embeddings=8192,
+            initializer_range=0.3,
+        ),
+    ),
 }
 
 
