@@ -70,7 +70,11 @@ class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.platforms import current_platform
 
         shape = AttentionShape(
-            model.get_num_kv_heads(parallel), model.get_head_size(), groups.block_size, cpu=current_platform.is_cpu()
+            model.get_num_kv_heads(parallel),
+            model.get_head_size(),
+            groups.block_size,
+            mla=groups.mla,
+            cpu=current_platform.is_cpu(),
         )
         self._worker = WorkerSide(
             shape,

@@ -1,9 +1,10 @@
 """vLLM's KV cache groups as nixl_kv moves them: one attention group (its blocks are the request's paged KV) and, for
-a hybrid model, one Mamba group (a request's one block there is its state slot).
+a hybrid model, one Mamba group (a request's one block there is its state slot). An MLA model's one group holds the
+latent cache (one head, replicated over TP).
 
 vLLM's hybrid KV cache manager (``SupportsHMA``) gives each request block ids per group. Group structures that
-nixl_kv cannot describe as one ``KVLayout`` beside one ``RnnLayout`` (several attention groups, sliding-window or
-MLA groups, several Mamba groups) are refused here, by name, when the connector starts.
+nixl_kv cannot describe as one ``KVLayout`` beside one ``RnnLayout`` (several attention groups, sliding-window
+groups, several Mamba groups) are refused here, by name, when the connector starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class CacheGroups:
     mamba: int | None = None  # the Mamba group's index, for hybrid models
     mamba_layers: tuple[str, ...] = ()
     mamba_shape: MambaShape | None = None
+    mla: bool = False  # the attention group is MLA's latent cache
 
     @property
     def backoff(self) -> int:
@@ -60,7 +62,7 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> CacheGroups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             mamba.append((index, group, spec))
-        elif isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+        elif isinstance(spec, FullAttentionSpec):  # MLAAttentionSpec is one
             attention.append((index, group, spec))
         else:
             raise NotSupportedError(f"nixl_kv.vllm: a {type(spec).__name__} KV cache group is not supported")
@@ -69,9 +71,12 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> CacheGroups:
     if len(mamba) > 1:
         raise NotSupportedError(f"nixl_kv.vllm: {len(mamba)} Mamba KV cache groups, one is supported")
     index, group, spec = attention[0]
+    mla = isinstance(spec, MLAAttentionSpec)
     groups = CacheGroups(index, tuple(group.layer_names), spec.block_size)
     if not mamba:  # the one group: every layer vLLM registers
-        return CacheGroups(block_size=spec.block_size)
+        return CacheGroups(block_size=spec.block_size, mla=mla)
+    if mla:
+        raise NotSupportedError("nixl_kv.vllm: MLA beside Mamba state is not supported")
     m_index, m_group, m_spec = mamba[0]
     if len(m_spec.shapes) != 2 or len(m_spec.shapes[0]) != 2 or len(m_spec.shapes[1]) != 3:
         raise NotSupportedError(f"nixl_kv.vllm: Mamba state of shapes {m_spec.shapes} (Mamba2 conv and SSM only)")

@@ -46,7 +46,7 @@ MODEL = dict(
 
 
 # the other kinds vLLM's CPU build runs (nixl_kv.serving.checkpoints), each with what its servers need
-KINDS = {"llama": (), "granite_hybrid": ("--no-enable-prefix-caching",)}
+KINDS = {"llama": (), "granite_hybrid": ("--no-enable-prefix-caching",), "deepseek_mla": ()}
 
 
 def make_model(directory: Path, layers: int = 4, python: str = sys.executable, kind: str = "llama") -> Path:

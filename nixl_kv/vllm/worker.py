@@ -101,7 +101,7 @@ class WorkerSide:
             rnn_layout = describe_mamba(ordered_layers(kv_caches, groups.mamba_layers), groups.mamba_shape)
             rnn = mamba_config(groups.mamba_shape, self._mamba, self._tp, rnn_layout.num_layers)
         self._blocks = VllmBlocks(layout, rnn_layout)
-        state = cache_state(self._total_kv_heads, layout, dtype, self._tp, rnn)
+        state = cache_state(self._total_kv_heads, layout, dtype, self._tp, rnn, mla=self._shape.mla)
         comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
         with every_cpu():  # the threads started here (progress loop, agent, puller) inherit it
             self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
