@@ -75,7 +75,8 @@ CHECKPOINTS = {
         ),
     ),
     # DeepSeek-V2-style multi-head latent attention (MLA), dense layers only (first_k_dense_replace = every layer):
-    # a latent KV cache of kv_lora_rank + qk_rope_head_dim per token, one "head"
+    # a latent KV cache of kv_lora_rank + qk_rope_head_dim per token, one "head"; 512 + 64, the one latent size
+    # vLLM's CPU MLA kernel compiles for
     "deepseek_mla": dict(
         architecture="DeepseekV2ForCausalLM",
         config=dict(
@@ -85,11 +86,11 @@ CHECKPOINTS = {
             num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=4,
-            kv_lora_rank=64,
+            kv_lora_rank=512,
             q_lora_rank=None,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
-            v_head_dim=32,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
             first_k_dense_replace=4,
             n_routed_experts=1,
             num_experts_per_tok=1,
