@@ -129,10 +129,14 @@ def test_the_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length: int) 
 
 
 def test_concurrent_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
-    prompts = [prompt_of(50 + 37 * i, seed=2) for i in range(8)]
-    with ThreadPoolExecutor(8) as pool:
+    assert_concurrent_answers(pair, [prompt_of(50 + 37 * i, seed=2) for i in range(8)])
+
+
+def assert_concurrent_answers(pair: Pair, prompts: list[list[int]]) -> None:
+    """Every prompt through the router at once: each answer is the aggregated one."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: complete(pair.client, pair.router.url, p, MAX_TOKENS, stream=False), prompts))
-    assert [a.status for a in answers] == [200] * 8
+    assert [a.status for a in answers] == [200] * len(prompts)
     assert [a.tokens for a in answers] == [pair.expected(p) for p in prompts]
 
 

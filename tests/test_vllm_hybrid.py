@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from tests.test_vllm import (
     PYTHON,
     TRANSFER_TIMEOUT_MS,
     Pair,
+    assert_concurrent_answers,
     counters,
     decode_with,
     prefilled_params,
@@ -69,11 +69,7 @@ def test_the_hybrid_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length
 
 
 def test_concurrent_hybrid_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
-    prompts = [prompt_of(40 + 61 * i, seed=12) for i in range(6)]
-    with ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(lambda p: complete(pair.client, pair.router.url, p, MAX_TOKENS, stream=False), prompts))
-    assert [a.status for a in answers] == [200] * 6
-    assert [a.tokens for a in answers] == [pair.expected(p) for p in prompts]
+    assert_concurrent_answers(pair, [prompt_of(40 + 61 * i, seed=12) for i in range(6)])
 
 
 def test_a_tensor_parallel_decode_reshards_the_mamba_state_by_heads_and_groups(pair: Pair) -> None:
