@@ -25,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from nixl_kv.config import CacheTransceiverConfig
-from nixl_kv.vllm.groups import cache_groups
+from nixl_kv.errors import NotSupportedError
+from nixl_kv.vllm.groups import CacheGroups, cache_groups
 from nixl_kv.vllm.kv_layout import AttentionShape, MambaModel
 from nixl_kv.vllm.metadata import StepMetadata, WorkerHandshake
 from nixl_kv.vllm.scheduler import SchedulerSide
@@ -51,6 +52,7 @@ class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("nixl_kv: kv_load_failure_policy is %r: a failed pull fails its request instead of "
                         "recomputing it", transfer.kv_load_failure_policy)  # fmt: skip
         groups = cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        _refuse_cpu_mla(groups)
         self._groups = groups
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -195,3 +197,16 @@ def _mamba_model(hf_config: Any) -> MambaModel:
         n_groups=first("mamba_n_groups", "n_groups"),
         hidden_size=first("hidden_size"),
     )
+
+
+def _refuse_cpu_mla(groups: CacheGroups) -> None:
+    """vLLM's CPU MLA backend forces prefix caching and chunked prefill off: a decode that loaded a prompt's latent
+    cache and computes its last token on it decodes other tokens than aggregated vLLM (seen with the deepseek_mla
+    checkpoint: the first three equal, then not), so an MLA model is refused on the CPU, by name."""
+    from vllm.platforms import current_platform
+
+    if groups.mla and current_platform.is_cpu():
+        raise NotSupportedError(
+            "nixl_kv.vllm: MLA on vLLM's CPU build is refused: its CPU_MLA backend computes no token over a loaded "
+            "latent cache as aggregated vLLM does"
+        )
