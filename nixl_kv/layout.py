@@ -266,7 +266,9 @@ class KVLayout:
 @dataclass(frozen=True)
 class RnnLayout:
     """One rank's Mamba state pools: ``[layer, slot, ...]`` in one region per pool kind (TensorRT-LLM's
-    layout), or one region per layer holding ``[slot, ...]`` (vLLM's). Conv and SSM have their own dtypes."""
+    layout), or one region per layer holding ``[slot, ...]`` (vLLM's). Conv and SSM have their own dtypes.
+    ``conv_slot_stride`` / ``ssm_slot_stride``: bytes from one slot to the next inside a per-layer region, where slots
+    are not packed (vLLM's hybrid cache keeps a layer's conv and SSM state in one padded page per block); 0: packed."""
 
     num_layers: int
     num_slots: int
@@ -279,6 +281,8 @@ class RnnLayout:
     ssm_itemsize: int
     conv_pools: tuple[MemoryRegion, ...]
     ssm_pools: tuple[MemoryRegion, ...]
+    conv_slot_stride: int = 0
+    ssm_slot_stride: int = 0
 
     @property
     def channel_bytes(self) -> int:
@@ -302,22 +306,29 @@ class RnnLayout:
 
     def conv_address(self, layers: np.ndarray, slot: int) -> np.ndarray:
         """Where the slot's conv state of each (local) layer starts."""
-        return _addresses(self.conv_pools, self.num_slots * self.conv_slot_bytes, self.conv_slot_bytes, layers, slot)
+        stride = self.conv_slot_stride or self.conv_slot_bytes
+        return _addresses(self.conv_pools, self.num_slots * stride, stride, layers, slot)
 
     def ssm_address(self, layers: np.ndarray, slot: int) -> np.ndarray:
-        return _addresses(self.ssm_pools, self.num_slots * self.ssm_slot_bytes, self.ssm_slot_bytes, layers, slot)
+        stride = self.ssm_slot_stride or self.ssm_slot_bytes
+        return _addresses(self.ssm_pools, self.num_slots * stride, stride, layers, slot)
 
     def problems(self) -> list[str]:
         found = []
         dims = (self.num_layers, self.num_slots, self.conv_channels, self.conv_width, self.conv_itemsize)
         if min(dims + (self.num_heads, self.head_dim, self.d_state, self.ssm_itemsize)) < 1:
             return ["every RNN state dimension must be at least 1"]
-        for name, pools, slot_bytes in (
-            ("conv", self.conv_pools, self.conv_slot_bytes),
-            ("ssm", self.ssm_pools, self.ssm_slot_bytes),
+        for name, pools, slot_bytes, stride in (
+            ("conv", self.conv_pools, self.conv_slot_bytes, self.conv_slot_stride),
+            ("ssm", self.ssm_pools, self.ssm_slot_bytes, self.ssm_slot_stride),
         ):
             layer_bytes = self.num_slots * slot_bytes
-            if len(pools) == 1:
+            if stride:  # strided slots: per-layer regions only, each slot inside its stride
+                if stride < slot_bytes or len(pools) != self.num_layers:
+                    found.append(f"{name} slot stride {stride} needs {self.num_layers} pools and >= {slot_bytes} bytes")
+                    continue
+                need = (self.num_slots - 1) * stride + slot_bytes
+            elif len(pools) == 1:
                 need = self.num_layers * layer_bytes
             elif len(pools) == self.num_layers:
                 need = layer_bytes

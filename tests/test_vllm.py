@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ TRANSFER_TIMEOUT_MS = 4000
 MAX_TOKENS = 12
 RECEIVED = "vllm:nixl_kv_transfer_seconds_count"
 FAILED = "vllm:nixl_kv_failed_transfers_total"
+PARAMS_KEY = "nixl_kv_params"  # nixl_kv.vllm.scheduler's (which imports vLLM, absent here)
 
 pytestmark = pytest.mark.vllm
 
@@ -47,9 +48,6 @@ class Pair:
         answer = complete(self.client, self.aggregated.url, prompt, MAX_TOKENS)
         assert answer.status == 200 and len(answer.tokens) == MAX_TOKENS, answer
         return answer.tokens
-
-    def counter(self, name: str) -> float:
-        return scrape(self.client, self.decode.url).get(name, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -70,20 +68,28 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             yield Pair(prefill, decode, aggregated, router, victim, wide, client)
 
 
-def wait_for(read: Callable[[], float], settle_s: float = 3.0) -> float:
-    """A counter once it stops changing (connector stats reach /metrics with a later engine step)."""
-    value, deadline = read(), time.monotonic() + settle_s
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = read()
-    return value
+def counters(pair: Pair, server: Server) -> tuple[float, float]:
+    """The server's pulls received and failed. Both are final once a decode's answer is back: a worker reports a
+    pull's figures in the engine step that reports it received (or failed), before the request can run, and the API
+    server records a step's figures before it handles a later step's tokens, so no wait is needed (with TP the request
+    runs only once every rank reported it)."""
+    samples = scrape(pair.client, server.url)
+    return samples.get(RECEIVED, 0.0), samples.get(FAILED, 0.0)
+
+
+def why_not_pulled(server: Server) -> str:
+    """The connector's warnings in the server's log (a failed pull says why): the message of a counter assertion."""
+    lines = server.log.read_text(errors="replace").splitlines() if server.log.exists() else []
+    return "\n".join(line for line in lines if "nixl_kv:" in line)[-4000:] or "(no nixl_kv warning in the log)"
 
 
 def prefilled_params(pair: Pair, server: Server, prompt: list[int]) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     response = pair.client.post(server.url + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    return response.json()["kv_transfer_params"]
+    params = response.json()["kv_transfer_params"]
+    assert params and PARAMS_KEY in params, params  # else the decode would compute the prompt itself
+    return params
 
 
 def decode_with(
@@ -113,19 +119,24 @@ def test_nixl_kv_reads_a_kv_cache_as_vllm_cpu_kernels_write_it() -> None:
 @pytest.mark.parametrize("length", [1, 33, 257, 1000])
 def test_the_pair_decodes_what_aggregated_vllm_decodes(pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=1)
-    before = pair.counter(RECEIVED)
+    received, failed = counters(pair, pair.decode)
     answer = complete(pair.client, pair.router.url, prompt, MAX_TOKENS)
     assert answer.status == 200, answer.error
     assert answer.tokens == pair.expected(prompt)
     assert answer.finish_reason == "length"
-    assert pair.counter(RECEIVED) == before + 1  # the decode instance pulled the KV: it did not recompute
+    # the decode instance pulled the KV: it did not recompute
+    assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)
 
 
 def test_concurrent_requests_each_decode_what_aggregated_vllm_decodes(pair: Pair) -> None:
-    prompts = [prompt_of(50 + 37 * i, seed=2) for i in range(8)]
-    with ThreadPoolExecutor(8) as pool:
+    assert_concurrent_answers(pair, [prompt_of(50 + 37 * i, seed=2) for i in range(8)])
+
+
+def assert_concurrent_answers(pair: Pair, prompts: list[list[int]]) -> None:
+    """Every prompt through the router at once: each answer is the aggregated one."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: complete(pair.client, pair.router.url, p, MAX_TOKENS, stream=False), prompts))
-    assert [a.status for a in answers] == [200] * 8
+    assert [a.status for a in answers] == [200] * len(prompts)
     assert [a.tokens for a in answers] == [pair.expected(p) for p in prompts]
 
 
@@ -140,39 +151,39 @@ def test_a_prefix_the_decode_holds_moves_only_the_rest(pair: Pair) -> None:
 def test_params_for_another_prompt_or_damaged_are_computed_there_instead(pair: Pair) -> None:
     prompt, other = prompt_of(120, seed=4), prompt_of(120, seed=5)
     params = prefilled_params(pair, pair.prefill, prompt)
-    before = pair.counter(RECEIVED)
+    before = counters(pair, pair.decode)
     assert decode_with(pair, other, params) == (200, pair.expected(other))
     damaged = dict(params, nixl_kv_params=params["nixl_kv_params"][:-8] + "AAAAAAAA")
     assert decode_with(pair, prompt, damaged) == (200, pair.expected(prompt))
-    assert pair.counter(RECEIVED) == before  # neither was pulled
+    assert counters(pair, pair.decode) == before  # neither was pulled
 
 
 def test_a_tensor_parallel_decode_instance_pulls_each_rank_its_heads(pair: Pair) -> None:
     prompt = prompt_of(333, seed=7)
-    received = scrape(pair.client, pair.wide.url).get(RECEIVED, 0.0)
+    received, failed = counters(pair, pair.wide)
     params = prefilled_params(pair, pair.prefill, prompt)
     assert decode_with(pair, prompt, params, pair.wide) == (200, pair.expected(prompt))
-    assert wait_for(lambda: scrape(pair.client, pair.wide.url).get(RECEIVED, 0.0)) == received + 2  # one per rank
+    assert counters(pair, pair.wide) == (received + 2, failed), why_not_pulled(pair.wide)  # one pull per rank
 
 
 def test_a_prefill_of_larger_blocks_than_the_decode_which_nixlconnector_refuses(pair: Pair) -> None:
     for length in (33, 300):
         prompt = prompt_of(length, seed=8)
-        before = pair.counter(RECEIVED)
+        received, failed = counters(pair, pair.decode)
         assert decode_with(pair, prompt, prefilled_params(pair, pair.victim, prompt)) == (200, pair.expected(prompt))
-        assert wait_for(lambda: pair.counter(RECEIVED)) == before + 1
+        assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)
 
 
 def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
     prompt = prompt_of(400, seed=6)
     params = prefilled_params(pair, pair.victim, prompt)
     pair.victim.kill()
-    failed = pair.counter(FAILED)
+    received, failed = counters(pair, pair.decode)
     started = time.monotonic()
     status, tokens = decode_with(pair, prompt, params)
     elapsed = time.monotonic() - started
     assert (status, tokens) == (200, pair.expected(prompt))
     assert elapsed < TRANSFER_TIMEOUT_MS / 1000 + 20, elapsed  # the deadline, then a recompute on 2 busy cores
-    assert pair.counter(FAILED) == failed + 1
+    assert counters(pair, pair.decode) == (received, failed + 1)
     # the decode instance goes on serving through the live prefill
     assert complete(pair.client, pair.router.url, prompt, MAX_TOKENS).tokens == pair.expected(prompt)

@@ -22,7 +22,7 @@ for T in (32, 64):
     ops.cpu_attn_reshape_and_cache(
         keys, values, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
     )
-    layout, _ = describe([tensor], AttentionShape(H, D, T))
+    layout, _ = describe([tensor], AttentionShape(H, D, T, cpu=True))
     got = gather(layout, pool_views(layout), np.arange(NB), range(1), range(H))  # [layer, kv, head, token, dim]
     want = np.stack([keys.numpy(), values.numpy()]).transpose(0, 2, 1, 3)[None].view(np.uint32)
     print(f"block {T} isa {isa}: {int((got != want).sum())} mismatched of {want.size}")

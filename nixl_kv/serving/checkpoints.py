@@ -48,6 +48,57 @@ CHECKPOINTS = {
             max_position_embeddings=1024,
         ),
     ),
+    # vLLM's hybrid family on its CPU build (vLLM 0.32 has no Bamba): Granite-4.0-H-like, Mamba2 and attention
+    # layers, no experts. Head dim 64 and 32 Mamba head dim, as vLLM's CPU kernels need.
+    "granite_hybrid": dict(
+        architecture="GraniteMoeHybridForCausalLM",
+        config=dict(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            shared_intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            position_embedding_type="rope",
+            max_position_embeddings=8192,
+            initializer_range=0.3,
+        ),
+    ),
+    # DeepSeek-V2-style multi-head latent attention (MLA), dense layers only (first_k_dense_replace = every layer):
+    # a latent KV cache of kv_lora_rank + qk_rope_head_dim per token, one "head"; 512 + 64, the one latent size
+    # vLLM's CPU MLA kernel compiles for
+    "deepseek_mla": dict(
+        architecture="DeepseekV2ForCausalLM",
+        config=dict(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=4,
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
+            max_position_embeddings=8192,
+            initializer_range=0.3,
+        ),
+    ),
 }
 
 

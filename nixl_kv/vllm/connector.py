@@ -21,10 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from nixl_kv.config import CacheTransceiverConfig
-from nixl_kv.vllm.kv_layout import AttentionShape
+from nixl_kv.errors import NotSupportedError
+from nixl_kv.vllm.groups import CacheGroups, cache_groups
+from nixl_kv.vllm.kv_layout import AttentionShape, MambaModel
 from nixl_kv.vllm.metadata import StepMetadata, WorkerHandshake
 from nixl_kv.vllm.scheduler import SchedulerSide
 from nixl_kv.vllm.stats import TransferPromMetrics, TransferStats
@@ -39,20 +42,23 @@ DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_LEASE_MS = 30_000
 
 
-class NixlKvConnector(KVConnectorBase_V1):
+class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; the groups it gives are ``groups.CacheGroups``."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("nixl_kv: kv_load_failure_policy is %r: a failed pull fails its request instead of "
                         "recomputing it", transfer.kv_load_failure_policy)  # fmt: skip
-        block_size = vllm_config.cache_config.block_size
+        groups = cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        _refuse_cpu_mla(groups)
+        self._groups = groups
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._handshake: WorkerHandshake | None = None
         if role is KVConnectorRole.SCHEDULER:
-            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-            self._scheduler = SchedulerSide(block_size, single_group=groups == 1)
+            self._scheduler = SchedulerSide(groups)
             return
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
@@ -63,14 +69,23 @@ class NixlKvConnector(KVConnectorBase_V1):
             lease_ms=int(transfer.get_from_extra_config("lease_ms", DEFAULT_LEASE_MS)),
             enable_inflight_cancel=True,
         )
-        shape = AttentionShape(model.get_num_kv_heads(parallel), model.get_head_size(), block_size)
+        from vllm.platforms import current_platform
+
+        shape = AttentionShape(
+            model.get_num_kv_heads(parallel),
+            model.get_head_size(),
+            groups.block_size,
+            mla=groups.mla,
+            cpu=current_platform.is_cpu(),
+        )
         self._worker = WorkerSide(
             shape,
             model.get_total_num_kv_heads(),
             parallel.tensor_parallel_size,
             CacheTransceiverConfig.from_env(config),
+            groups,
+            _mamba_model(model.hf_text_config) if groups.mamba is not None else None,
         )
-        self._single_group = kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1
 
     # --- worker ------------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -101,7 +116,7 @@ class NixlKvConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._worker.load_errors()
-        return errors if self._single_group else set()  # several groups: failed_recving alone says it
+        return errors if self._groups.single else set()  # several groups: failed_recving alone says it
 
     def get_kv_connector_stats(self) -> TransferStats | None:
         return None if self._worker is None else self._worker.stats.take()  # the scheduler asks too
@@ -135,11 +150,21 @@ class NixlKvConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.received(set(connector_output.finished_recving or ()))
 
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler.on_new_request(request)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         return self._scheduler.finished(request, completed)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every group's blocks (the KV and the Mamba state) stay until the worker reports the request sent: the
+        scheduler side noted them per group when it responded."""
+        return self.request_finished(request, [])
 
     # --- both ----------------------------------------------------------------------------------------------------
     @classmethod
@@ -155,3 +180,33 @@ class NixlKvConnector(KVConnectorBase_V1):
         cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
     ) -> TransferPromMetrics:
         return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _mamba_model(hf_config: Any) -> MambaModel:
+    """A hybrid's Mamba2 figures from its config (Granite-4.0-H, Bamba, NemotronH and Mamba2 name them alike)."""
+
+    def first(*names: str) -> int:
+        for name in names:
+            value = getattr(hf_config, name, None)
+            if isinstance(value, int):
+                return value
+        raise ValueError(f"nixl_kv.vllm: the model config names none of {names}")
+
+    return MambaModel(
+        num_heads=first("mamba_n_heads", "mamba_num_heads", "num_heads"),
+        n_groups=first("mamba_n_groups", "n_groups"),
+        hidden_size=first("hidden_size"),
+    )
+
+
+def _refuse_cpu_mla(groups: CacheGroups) -> None:
+    """vLLM's CPU MLA backend forces prefix caching and chunked prefill off: a decode that loaded a prompt's latent
+    cache and computes its last token on it decodes other tokens than aggregated vLLM (seen with the deepseek_mla
+    checkpoint: the first three equal, then not), so an MLA model is refused on the CPU, by name."""
+    from vllm.platforms import current_platform
+
+    if groups.mla and current_platform.is_cpu():
+        raise NotSupportedError(
+            "nixl_kv.vllm: MLA on vLLM's CPU build is refused: its CPU_MLA backend computes no token over a loaded "
+            "latent cache as aggregated vLLM does"
+        )

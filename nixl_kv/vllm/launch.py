@@ -45,19 +45,26 @@ MODEL = dict(
 )
 
 
-def make_model(directory: Path, layers: int = 4, python: str = sys.executable) -> Path:
+# the other kinds vLLM's CPU build runs (nixl_kv.serving.checkpoints), each with what its servers need
+KINDS = {"llama": (), "granite_hybrid": ("--no-enable-prefix-caching",), "deepseek_mla": ()}
+
+
+def make_model(directory: Path, layers: int = 4, python: str = sys.executable, kind: str = "llama") -> Path:
     """The checkpoint in ``directory`` (kept when there), written by ``python``'s transformers: vLLM's venv pins
     an older one than the serve extra, and a config it does not know may not load."""
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
     if python != sys.executable:
-        code = f"from nixl_kv.vllm.launch import make_model; make_model({str(directory)!r}, {layers})"
+        code = f"from nixl_kv.vllm.launch import make_model; make_model({str(directory)!r}, {layers}, kind={kind!r})"
         subprocess.run([python, "-c", code], check=True, capture_output=True, timeout=300)
         return directory
     from nixl_kv.serving.checkpoints import make_checkpoint
 
-    make_checkpoint("llama", directory, num_hidden_layers=layers, **MODEL)
+    if kind == "llama":
+        make_checkpoint("llama", directory, num_hidden_layers=layers, **MODEL)
+    else:
+        make_checkpoint(kind, directory)
     return directory
 
 
@@ -111,6 +118,9 @@ class VllmServers:
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self._binding(instance.tp),
+            # a hybrid's Mamba conv state as (dim, state), the order nixl_kv moves (every server alike, so an
+            # aggregated one computes as the pair does)
+            "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }

@@ -22,6 +22,7 @@ class Respond:
     vllm_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    slot: int | None = None  # its Mamba state slot (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Receive:
     params: bytes
     block_ids: tuple[int, ...]
     reused_blocks: int
+    slot: int | None = None  # its Mamba state slot (hybrid models)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from nixl_kv.vllm.client import complete, prompt_of, scrape
-from nixl_kv.vllm.launch import CONNECTORS, Instance, VllmServers, make_model
+from nixl_kv.vllm.launch import CONNECTORS, KINDS, Instance, VllmServers, make_model
 
 DEFAULT_LENGTHS = (1, 31, 32, 33, 100, 257, 511, 1000)
 TRANSFER_COUNTERS = {"nixl_kv": "vllm:nixl_kv_transfer_seconds_count", "nixl": "vllm:nixl_xfer_time_seconds_count"}
@@ -28,24 +28,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connector", choices=["nixl_kv", "nixl"], default="nixl_kv")
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prompt lengths (tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model"))
+    parser.add_argument("--kind", choices=sorted(KINDS), default="llama", help="checkpoint (granite_hybrid: Mamba2)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: .vllm-model (-KIND)")
     parser.add_argument("--prefill-block-size", type=int, default=32, help="tokens per KV block (a multiple of 32)")
     parser.add_argument("--decode-block-size", type=int, default=32)
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the prefill instance")
     parser.add_argument("--decode-tp", type=int, default=1)
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
-    model = make_model(args.model_dir)
+    suffix = "" if args.kind == "llama" else f"-{args.kind}"
+    model = make_model(args.model_dir or Path(f".vllm-model{suffix}"), kind=args.kind)
+    extra = KINDS[args.kind]
     with VllmServers(model) as servers:
         prefill = servers.start(
-            Instance("kv_producer", args.connector, args.prefill_block_size, args.prefill_tp),
+            Instance("kv_producer", args.connector, args.prefill_block_size, args.prefill_tp, extra_args=extra),
             "prefill",
         )
         decode = servers.start(
-            Instance("kv_consumer", args.connector, args.decode_block_size, args.decode_tp),
+            Instance("kv_consumer", args.connector, args.decode_block_size, args.decode_tp, extra_args=extra),
             "decode",
         )
-        aggregated = servers.start(Instance(), "aggregated")
+        aggregated = servers.start(Instance(extra_args=extra), "aggregated")
         router = servers.start_router([prefill], [decode])
         print(f"[vllm pair] starting vLLM servers (logs in {servers.log_dir}) ...", file=sys.stderr, flush=True)
         started = time.monotonic()
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         transfers = scrape(client, decode.url).get(counter, 0.0) - before
     blocks = f"TP {args.prefill_tp} -> {args.decode_tp}, "
     blocks += f"block size {args.prefill_block_size} -> {args.decode_block_size}"
-    print(f"\nconnector: {CONNECTORS[args.connector][0]}; {blocks}; {args.max_tokens} greedy tokens per prompt")
+    print(f"\n{args.kind}, {CONNECTORS[args.connector][0]}; {blocks}; {args.max_tokens} greedy tokens a prompt")
     print(f"{'prompt':>7} {'P/D ms':>9} {'aggregated ms':>14} {'identical':>10}  first tokens (P/D)")
     for length, split, alone, same in rows:
         shown = list(split.tokens[:6]) if split.status == 200 else f"HTTP {split.status}: {split.error[:60]}"

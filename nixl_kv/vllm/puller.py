@@ -109,13 +109,13 @@ class Puller:
                 self._finish(ours, pull)
 
     def _start(self, receive: Receive) -> None:
-        self._blocks.register(receive.request_id, receive.block_ids)
         request = TransferRequest(
             receive.request_id, context_phase_params=receive.params, reused_blocks=receive.reused_blocks
         )
         pull = self._pulls[receive.request_id] = _Pull(receive, request)
         self._ours[receive.vllm_id] = receive.request_id
         try:
+            self._blocks.register(receive.request_id, receive.block_ids, receive.slot)
             self._transceiver.request_and_receive_async(request)
         except Exception as exc:  # refused before any READ (undecodable params, incompatible pair)
             request.fail(f"{type(exc).__name__}: {exc}")

@@ -6,6 +6,8 @@ from the same inputs with the worker's ``ParamsMaker``. The blocks stay with the
 the request sent (its readers are done, or its lease ended).
 gen (``{"do_remote_prefill": true, "nixl_kv_params": ...}``, as the ctx returned them): the prompt's tokens not
 already in the prefix cache are loaded asynchronously into the blocks vLLM allocates for them.
+Hybrid models (``groups.CacheGroups``): the request's Mamba state slot moves with its blocks, and the prefill stops
+one token short of the prompt (``on_new_request``), whose last token the decode computes on the state before it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nixl_kv.errors import WireFormatError
 from nixl_kv.params import ParamsMaker
 from nixl_kv.params_seal import is_sealed, prompt_digest
 from nixl_kv.state import ContextPhaseParams
+from nixl_kv.vllm.groups import CacheGroups
 from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
 
 log = logging.getLogger(__name__)
@@ -33,12 +36,13 @@ class _Prefill:
     request: Any  # vllm.v1.request.Request
     request_id: int = 0  # ours, once responded
     block_ids: tuple[int, ...] = ()
+    slot: int | None = None
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, single_group: bool) -> None:
-        self._block_size = block_size
-        self.single_group = single_group  # block-level load errors are only meaningful with one KV cache group
+    def __init__(self, groups: CacheGroups) -> None:
+        self._groups = groups
+        self._block_size = groups.block_size
         self._ids = itertools.count(1)
         self._maker: ParamsMaker | None = None
         self._prefills: dict[str, _Prefill] = {}  # ctx: requests whose KV a decode instance will pull
@@ -54,10 +58,15 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or PARAMS_KEY not in params:
             return 0, False
-        if self._refusal(request, params) is not None:
-            return 0, False  # computed here instead (update_state_after_alloc says why)
-        count = request.num_prompt_tokens - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        count = self._loaded(request) - num_computed_tokens
+        if count <= 0 or self._refusal(request, params) is not None:
+            return 0, False  # nothing to pull, or computed here instead (update_state_after_alloc says why)
+        return count, True
+
+    def _loaded(self, request: Any) -> int:
+        """The prompt tokens a pull brings: all, or for a hybrid all but the last (the prefill's ``backoff``;
+        a prompt of no more tokens than that is computed here)."""
+        return request.num_prompt_tokens - self._groups.backoff
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -69,6 +78,8 @@ class SchedulerSide:
         if not params.get("do_remote_prefill") or PARAMS_KEY not in params:
             return
         params["do_remote_prefill"] = False  # one pull per request
+        if self._loaded(request) < 1:
+            return
         refusal = self._refusal(request, params)
         self._refusals.pop(request.request_id, None)
         if refusal is not None:
@@ -76,21 +87,29 @@ class SchedulerSide:
             return
         if num_external_tokens == 0:  # the whole prompt was a local prefix hit: the ctx's lease frees its blocks
             return
-        local_tokens = request.num_prompt_tokens - num_external_tokens
+        loaded = self._loaded(request)
+        try:
+            slot = self._groups.slot(block_ids)
+        except ValueError as exc:  # vLLM computes the prompt here: report the (empty) load as failed
+            log.warning("nixl_kv: request %s computes its prompt here: %s", request.request_id, exc)
+            return
         self._step.receive.append(
             Receive(
                 request_id=next(self._ids),
                 vllm_id=request.request_id,
                 params=base64.b64decode(params[PARAMS_KEY]),
-                block_ids=tuple(block_ids[0]),
-                reused_blocks=local_tokens // self._block_size,
+                block_ids=tuple(self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]),
+                reused_blocks=(loaded - num_external_tokens) // self._block_size,
+                slot=slot,
             )
         )
         self._loading.add(request.request_id)
 
     def _refusal(self, request: Any, params: dict[str, Any]) -> str | None:
         if request.request_id not in self._refusals:
-            self._refusals[request.request_id] = _refusal(params[PARAMS_KEY], request.prompt_token_ids)
+            prompt = request.prompt_token_ids
+            loaded = prompt[: self._loaded(request)] if prompt is not None else None
+            self._refusals[request.request_id] = _refusal(params[PARAMS_KEY], loaded)
         return self._refusals[request.request_id]
 
     def received(self, vllm_ids: set[str]) -> None:
@@ -106,11 +125,26 @@ class SchedulerSide:
             if request.num_computed_tokens + num_scheduled_tokens[vllm_id] < request.num_prompt_tokens:
                 continue  # a chunk of a longer prompt
             needed = -(-request.num_prompt_tokens // self._block_size)
+            block_ids = blocks_of(vllm_id)
             prefill.request_id = next(self._ids)
-            prefill.block_ids = tuple(blocks_of(vllm_id)[0][:needed])
+            prefill.block_ids = tuple(self._groups.kv_blocks(block_ids)[:needed])
+            prefill.slot = self._groups.slot(block_ids)
             self._step.respond.append(
-                Respond(prefill.request_id, vllm_id, prefill.block_ids, request.num_prompt_tokens)
+                Respond(prefill.request_id, vllm_id, prefill.block_ids, request.num_prompt_tokens, prefill.slot)
             )
+
+    def on_new_request(self, request: Any) -> None:
+        """ctx, hybrid models: the prompt stops ``backoff`` tokens short, so the Mamba state handed over is the one
+        before the prompt's last token, which the decode computes (as vLLM's NixlConnector does)."""
+        params, backoff = request.kv_transfer_params, self._groups.backoff
+        if not backoff or not params or not params.get("do_remote_decode") or params.get("_nixl_kv_truncated"):
+            return
+        if request.prompt_token_ids is None or request.num_prompt_tokens <= backoff:
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        params["_nixl_kv_truncated"] = True
 
     def finished(self, request: Any, completed: bool) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: (keep the blocks until the worker reports them sent, the kv_transfer_params)."""
@@ -133,6 +167,7 @@ class SchedulerSide:
             (prefill.block_ids,),
             request.num_prompt_tokens,
             tuple(request.output_token_ids[:1]),
+            rnn_slot=prefill.slot,
             prompt_digest=prompt_digest(prompt),
         )
         self._step.handed_out.append(vllm_id)

@@ -25,7 +25,16 @@ from nixl_kv.requests import TransferRequest
 from nixl_kv.transceiver import CacheTransceiver
 from nixl_kv.vllm.blocks import VllmBlocks
 from nixl_kv.vllm.comm import TensorParallelComm
-from nixl_kv.vllm.kv_layout import AttentionShape, cache_state, describe, ordered_layers
+from nixl_kv.vllm.groups import CacheGroups
+from nixl_kv.vllm.kv_layout import (
+    AttentionShape,
+    MambaModel,
+    cache_state,
+    describe,
+    describe_mamba,
+    mamba_config,
+    ordered_layers,
+)
 from nixl_kv.vllm.metadata import Respond, StepMetadata
 from nixl_kv.vllm.puller import Puller
 from nixl_kv.vllm.stats import TransferStats
@@ -60,8 +69,18 @@ def every_cpu() -> Iterator[None]:
 
 
 class WorkerSide:
-    def __init__(self, shape: AttentionShape, total_kv_heads: int, tp: int, config: CacheTransceiverConfig) -> None:
+    def __init__(
+        self,
+        shape: AttentionShape,
+        total_kv_heads: int,
+        tp: int,
+        config: CacheTransceiverConfig,
+        groups: CacheGroups | None = None,
+        mamba: MambaModel | None = None,
+    ) -> None:
         self._shape, self._total_kv_heads, self._tp, self._config = shape, total_kv_heads, tp, config
+        self._groups = groups or CacheGroups(block_size=shape.block_size)
+        self._mamba = mamba
         self._blocks: VllmBlocks | None = None
         self.transceiver: CacheTransceiver | None = None
         self._responding: dict[int, Respond] = {}  # ctx: our id -> what was responded
@@ -73,9 +92,16 @@ class WorkerSide:
         self.stats = TransferStats()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> ParamsMaker:
-        layout, dtype = describe(ordered_layers(kv_caches), self._shape)
-        self._blocks = VllmBlocks(layout)
-        state = cache_state(self._total_kv_heads, layout, dtype, self._tp)
+        groups = self._groups
+        layout, dtype = describe(ordered_layers(kv_caches, groups.attention_layers), self._shape)
+        rnn_layout = rnn = None
+        if groups.mamba_shape is not None:
+            if self._mamba is None:
+                raise ValueError("a hybrid model's worker needs its Mamba model figures")
+            rnn_layout = describe_mamba(ordered_layers(kv_caches, groups.mamba_layers), groups.mamba_shape)
+            rnn = mamba_config(groups.mamba_shape, self._mamba, self._tp, rnn_layout.num_layers)
+        self._blocks = VllmBlocks(layout, rnn_layout)
+        state = cache_state(self._total_kv_heads, layout, dtype, self._tp, rnn, mla=self._shape.mla)
         comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
         with every_cpu():  # the threads started here (progress loop, agent, puller) inherit it
             self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
@@ -100,7 +126,7 @@ class WorkerSide:
         for respond in metadata.respond:
             request = TransferRequest(respond.request_id, num_tokens=respond.num_tokens)
             try:
-                self._blocks.register(respond.request_id, respond.block_ids)
+                self._blocks.register(respond.request_id, respond.block_ids, respond.slot)
                 self.transceiver.respond_and_send_async(request)
             except Exception as exc:  # its reader's pull fails and the decode instance recomputes: never vLLM's step
                 log.error("nixl_kv: request %s could not be served: %s: %s", respond.vllm_id, type(exc).__name__, exc)
