@@ -126,7 +126,7 @@ class NixlKvManager(CommonKVManager):
     def build_receiver_registration_message(self) -> list[bytes]:
         return [GUARD, b"None"]  # the params carry everything a reader needs: nothing to register ahead
 
-    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int, **_: Any) -> list[bytes]:  # fmt: skip
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, **_: Any) -> list[bytes]:
         return [GUARD, str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode()]
 
     # --- prefill -------------------------------------------------------------------------------------------------
@@ -174,7 +174,9 @@ class NixlKvManager(CommonKVManager):
             aux = self._read_aux(aux_index)
             self.update_status(bootstrap_room, KVPoll.Transferring)
         for endpoint, port in self._room_notify_targets(bootstrap_room):
-            self._send_multipart_locked(f"tcp://{endpoint}:{port}", [PARAMS, str(bootstrap_room).encode(), params, *aux])
+            self._send_multipart_locked(
+                f"tcp://{endpoint}:{port}", [PARAMS, str(bootstrap_room).encode(), params, *aux]
+            )
 
     def _respond(self, room: int, pages: np.ndarray, num_tokens: int | None) -> bytes:
         ours = next(self._ids)
@@ -193,7 +195,9 @@ class NixlKvManager(CommonKVManager):
         if aux_index is None:
             return []
         args = self.kv_args
-        return [ctypes.string_at(p + aux_index * n, n) for p, n in zip(args.aux_data_ptrs, args.aux_item_lens)]
+        return [
+            ctypes.string_at(p + aux_index * n, n) for p, n in zip(args.aux_data_ptrs, args.aux_item_lens, strict=True)
+        ]
 
     def update_status(self, bootstrap_room: int, status: Any) -> None:
         with self._lock:
@@ -282,7 +286,7 @@ class NixlKvManager(CommonKVManager):
             return
         args = self.kv_args
         if pull.aux_index is not None:
-            for ptr, n, data in zip(args.aux_data_ptrs, args.aux_item_lens, pull.aux):
+            for ptr, n, data in zip(args.aux_data_ptrs, args.aux_item_lens, pull.aux, strict=True):
                 ctypes.memmove(ptr + pull.aux_index * n, data, min(n, len(data)))
         self.update_status(pull.room, KVPoll.Success)
 
@@ -305,8 +309,15 @@ class NixlKvSender(CommonKVSender):
 
 
 class NixlKvReceiver(CommonKVReceiver):
-    def send_metadata(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None = None,
-                      state_indices: Any = None, decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         if decode_prefix_len:
             self.kv_mgr.record_failure(self.bootstrap_room, "nixl_kv: decode-side prefix reuse is not supported")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
@@ -320,4 +331,14 @@ class NixlKvReceiver(CommonKVReceiver):
 
 
 class NixlKvBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's own registry: the prefill ranks and their control sockets. No KV metadata goes through it."""
+    """SGLang's own registry of the prefill ranks and their control sockets, less the page size: SGLang's decode
+    refuses a prefill of another page size, nixl_kv reads pages of any size into its own (the pair's compatibility
+    is checked, before any byte moves, from the params)."""
+
+    @property
+    def page_size(self) -> None:
+        return None
+
+    @page_size.setter
+    def page_size(self, value: int | None) -> None:
+        pass

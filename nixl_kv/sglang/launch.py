@@ -41,14 +41,16 @@ MODEL = dict(
 )
 
 
-def make_model(directory: Path, layers: int = 4, python: str = sys.executable) -> Path:
-    """The checkpoint in ``directory`` (kept when there), written by ``python``'s transformers."""
+def make_model(directory: Path, layers: int = 4, python: str = sys.executable, stubs: str = "") -> Path:
+    """The checkpoint in ``directory`` (kept when there), written by ``python``'s transformers (on this CPU it
+    imports torchvision: ``stubs`` go on its ``PYTHONPATH``)."""
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
-    if python != sys.executable:
+    if python != sys.executable or stubs:
         code = f"from nixl_kv.sglang.launch import make_model; make_model({str(directory)!r}, {layers})"
-        subprocess.run([python, "-c", code], check=True, capture_output=True, timeout=300)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stubs, os.environ.get("PYTHONPATH", "")) if p)}
+        subprocess.run([python, "-c", code], check=True, capture_output=True, timeout=300, env=env)
         return directory
     from nixl_kv.serving.checkpoints import make_checkpoint
 
