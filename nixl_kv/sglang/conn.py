@@ -53,7 +53,7 @@ STATUS = b"NIXL_KV_STATUS"  # prefill -> decode: a room's failure
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_LEASE_MS = 30_000
 PUMP_S = 0.0005  # at most one status check per this many seconds from the scheduler's polls
-THREAD_WAIT_S = 0.002
+LOG_TRANSFERS = os.environ.get("NIXL_KV_SGLANG_LOG_TRANSFERS", "") not in ("", "0")
 
 
 def transfer_config() -> CacheTransceiverConfig:
@@ -284,6 +284,10 @@ class NixlKvManager(CommonKVManager):
             self.record_failure(pull.room, f"nixl_kv: {pull.request.error}")
             self.update_status(pull.room, KVPoll.Failed)
             return
+        if LOG_TRANSFERS:  # each pull's own time, for scripts/bench_sglang.sh
+            request = pull.request
+            log.info("nixl_kv transfer: room %d, %d bytes in %.3f ms", pull.room, request.transfer_bytes,
+                     (request.transfer_end - request.transfer_start) * 1e3)  # fmt: skip
         args = self.kv_args
         if pull.aux_index is not None:
             for ptr, n, data in zip(args.aux_data_ptrs, args.aux_item_lens, pull.aux, strict=True):
