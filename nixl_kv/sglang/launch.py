@@ -25,20 +25,10 @@ import httpx
 
 from nixl_kv.serving.launcher import Server, free_port
 from nixl_kv.sglang.client import Pair
+from nixl_kv.vllm.launch import MODEL  # the vLLM scripts' checkpoint (a wrong KV shows in the tokens)
 
 START_TIMEOUT_S = 300.0
 BACKENDS = ("nixl_kv", "nixl")
-# the checkpoint the scripts and tests build (nixl_kv.serving.checkpoints, kind "llama"): weights wide enough
-# (initializer range 0.3) that the continuation depends on the whole prompt, so KV that did not arrive, or arrived
-# wrong, shows in the tokens
-MODEL = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-    initializer_range=0.3,
-)
 
 
 def make_model(directory: Path, layers: int = 4, python: str = sys.executable, stubs: str = "") -> Path:
