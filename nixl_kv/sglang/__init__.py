@@ -41,7 +41,7 @@ def kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
 def _own_nixl_in_dram(*args: Any, **kwargs: Any) -> None:
     """BEFORE hook on SGLang's ``NixlKVManager.__init__``: its KV buffers are host memory on a CPU-only server."""
     kv_args = args[1] if len(args) > 1 else kwargs["args"]
-    kv_args.kv_data_mem_kinds = "DRAM"
+    kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_args.kv_data_ptrs)
 
 
 def register() -> None:
