@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for send in targets.values():  # warm each (first requests pay one-time set-up)
             send(prompt_of(64, seed=99))
-        rows, all_same = [], True
+        all_same = True
+        print(f"\n{args.max_tokens} tokens a prompt, {args.rounds} batches a cell; TTFT at the client (streamed)")
+        print(f"{'backend':>12} {'prompt':>7} {'conc':>5} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+              f"{'transfer p50 ms':>16} {'identical':>10}", flush=True)  # fmt: skip
         for length in lengths:
             for level in levels:
                 prompts = [prompt_of(length, seed=r * 100 + i) for r in range(args.rounds) for i in range(level)]
@@ -81,17 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                 for name, (answers, moved) in results.items():
                     same = all(a.status == 200 for a in answers) and [a.tokens for a in answers] == expected
                     all_same &= same
-                    rows.append((name, length, level, answers, moved, "ref" if name == "aggregated" else same))
-    print(f"\n{args.max_tokens} greedy tokens a prompt, {args.rounds} batches a cell; TTFT at the client (streamed)")
-    print(f"{'backend':>12} {'prompt':>7} {'conc':>5} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'transfer p50 ms':>16} "
-          f"{'identical':>10}")  # fmt: skip
-    for name, length, level, answers, moved, same in rows:
-        ttft = [a.first_token_s * 1e3 for a in answers if a.status == 200] or [float("nan")]
-        shown = f"{statistics.median(moved):.1f}" if moved else "-"
-        verdict = same if same == "ref" else ("yes" if same else "NO")
-        print(f"{name:>12} {length:>7} {level:>5} {statistics.median(ttft):>12.1f} {percentile(ttft, 0.99):>12.1f} "
-              f"{shown:>16} {verdict:>10}")  # fmt: skip
+                    print_row(name, length, level, answers, moved, "ref" if name == "aggregated" else same)
     return 0 if all_same else 1
+
+
+def print_row(name: str, length: int, level: int, answers: list[Generation], moved: list[float], same: object) -> None:
+    ttft = [a.first_token_s * 1e3 for a in answers if a.status == 200] or [float("nan")]
+    shown = f"{statistics.median(moved):.1f}" if moved else "-"
+    verdict = same if same == "ref" else ("yes" if same else "NO")
+    print(f"{name:>12} {length:>7} {level:>5} {statistics.median(ttft):>12.1f} {percentile(ttft, 0.99):>12.1f} "
+          f"{shown:>16} {verdict:>10}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
