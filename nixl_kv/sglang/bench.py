@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=Path(".sglang-model-bench"))
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lengths = [int(n) for n in args.lengths.split(",")]
     levels = [int(n) for n in args.concurrency.split(",")]
     stubs = os.environ.get("NIXL_KV_SGLANG_PYTHONPATH", "")
     model = make_model(args.model_dir.resolve(), stubs=stubs)
     logged = (("NIXL_KV_SGLANG_LOG_TRANSFERS", "1"),)
     with SglangServers(model, stubs=stubs, max_total_tokens=65536, context_length=8192) as servers:
+        # on SIGTERM (a timeout) stop the servers at once: threads waiting on their answers would hold an exit
+        signal.signal(signal.SIGTERM, lambda *_: (servers.stop(), os._exit(143)))
         ours, _, ours_decode = servers.start_pair(
             "nixl_kv", Instance("prefill", "nixl_kv"), Instance("decode", "nixl_kv", extra_env=logged)
         )

@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--decode-page-size", type=int, default=16)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     lengths = [int(n) for n in args.lengths.split(",")]
     stubs = os.environ.get("NIXL_KV_SGLANG_PYTHONPATH", "")
     model = make_model(args.model_dir.resolve(), stubs=stubs)
     with SglangServers(model, stubs=stubs) as servers:
+        # on SIGTERM (a timeout) stop the servers at once: threads waiting on their answers would hold an exit
+        signal.signal(signal.SIGTERM, lambda *_: (servers.stop(), os._exit(143)))
         pair, _, _ = servers.start_pair(
             args.backend,
             Instance("prefill", args.backend, args.prefill_page_size),
