@@ -3,6 +3,7 @@
 source "$(dirname "$0")/_env.sh"
 source scripts/system_deps.sh
 source scripts/vllm_env.sh  # the venv tests/test_vllm.py runs real vLLM servers from
+source scripts/sglang_env.sh  # the venv tests/test_sglang.py runs real SGLang servers from
 ruff check .
 ruff format --check .
 status=0

@@ -146,6 +146,7 @@ def test_the_editable_install_maps_them_and_puts_nothing_generic_at_the_top_leve
 def test_pyproject_declares_the_builtin_entry_points() -> None:
     tomllib = pytest.importorskip("tomllib")
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared.pop("sglang.srt.plugins") == {"nixl_kv": "nixl_kv.sglang:register"}  # SGLang's plugin group
     assert declared == registry.BUILTIN
     installed = {
         group: {p.name: p.value for p in importlib.metadata.entry_points(group=group)} for group in registry.BUILTIN
@@ -330,8 +331,8 @@ def test_a_plugin_package_installed_with_pip_is_selected_by_name(tmp_path: Path)
 # the harness's NCCL baseline on GPUs (None without it; nixl itself depends on torch), mooncake for its agent (the
 # mooncake extra), libucx for the UCX agent where the mpich wheel is absent (the ucx extra).
 # vllm: nixl_kv.vllm runs inside vLLM, whose CPU build pins what ours does differently (numpy, torch): no extra can
-# hold both, so scripts/vllm_env.sh installs it in a venv of its own
-OPTIONAL = {"cupy", "torch", "mooncake", "libucx", "vllm"}
+# hold both, so scripts/vllm_env.sh installs it in a venv of its own; sglang likewise (scripts/sglang_env.sh)
+OPTIONAL = {"cupy", "torch", "mooncake", "libucx", "vllm", "sglang"}
 REQUIRED_IMPORTS = {"nixl", "msgpack", "numpy", "mpi4py", "prometheus_client"}  # each its distribution's name
 
 
