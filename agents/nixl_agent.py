@@ -225,7 +225,7 @@ class NixlAgent(TransferAgent):
         return found
 
     def close(self) -> None:
-        """Release transfers, descriptor lists, remote agents and registrations, in that order, then the agent."""
+        """Release transfers, descriptor lists, remote agents and registrations, in that order, then both agents."""
         if self._closed:
             return
         self._closed = True
@@ -242,6 +242,7 @@ class NixlAgent(TransferAgent):
             self._agent.deregister_all()
         except AgentError as exc:
             log.warning("deregistration failed: %s", exc)
+        self._agent.close()  # the NIXL agents themselves: each holds a UCX worker and its file descriptors
         self._control.close()
 
     @property

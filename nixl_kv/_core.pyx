@@ -484,15 +484,23 @@ cdef class Agent:
         _check(status, "run the floor loop")
         return micros
 
+    def __dealloc__(self):
+        self._destroy()
+
     def close(self):
         """Destroy the backends and the agent (the caller released transfers, lists and registrations first)."""
+        self._destroy()
+
+    cdef void _destroy(self) noexcept:
+        """Once: an agent never closed is destroyed when collected (its UCX worker holds file descriptors)."""
         if self.agent == NULL:
             return
         cdef nkv_handle_t agent = self.agent
         self.agent = NULL
-        for address in self.backends:
-            nkv_capi.destroy_backend(<nkv_handle_t><uintptr_t>address)
-        self.backends = []
+        if self.backends is not None:
+            for address in self.backends:
+                nkv_capi.destroy_backend(<nkv_handle_t><uintptr_t>address)
+            self.backends = []
         if self.notif_map != NULL:
             nkv_capi.destroy_notif_map(self.notif_map)
             self.notif_map = NULL
