@@ -429,20 +429,19 @@ def test_a_transfer_past_its_deadline_is_a_504(ctxs: Cluster, llama: Path) -> No
 
 
 def test_a_ctx_killed_while_a_read_is_in_flight_is_a_5xx_and_the_gen_keeps_serving(ctxs: Cluster, llama: Path) -> None:
+    """The ctx dies once it handed out the params, before or while the gen reads. (Paused first, the ctx did not
+    hold the READ back: over a one-sided transport a READ from a frozen process's memory completes, and its bytes
+    are right, so the kill comes before the gen's request.)"""
     doomed, gen = ctxs.of("ctx")[0], ctxs.of("gen")[0]
     body, _ = prefill(doomed.url, PROMPT[:50])
-    doomed.pause()  # the READ (UCX over TCP: the target serves it) waits on the ctx process
-    answer: list[httpx.Response] = []
-    started = time.monotonic()
-    worker = threading.Thread(target=lambda: answer.append(post(gen.url + "/generate", body)))
-    worker.start()
-    time.sleep(0.5)
     doomed.kill()
-    worker.join(30)
+    started = time.monotonic()
+    response = post(gen.url + "/generate", body)
     elapsed = time.monotonic() - started
-    response = answer[0]
     assert response.status_code == 502, response.text
-    assert re.fullmatch(r"TransferError: READ from nixl_kv-\w+-0 failed", response.json()["detail"])
+    detail = response.json()["detail"]  # the READ failed, or a dead peer's READ was refused at its post
+    refused = r"AgentError: NIXL could not create the READ from nixl_kv-\w+-0 \(status -\d+\)"
+    assert re.fullmatch(rf"TransferError: (READ from nixl_kv-\w+-0 failed|{refused})", detail), detail
     assert elapsed < TRANSFER_TIMEOUT_S
     assert health(gen)["status"] == "ok"
     assert_correct(ctxs.router.url, llama, [PROMPT, PROMPT[:50]])  # through the ctx server still alive
