@@ -140,19 +140,24 @@ def test_gen_cancel_before_and_during_the_read(pair_factory, when: str) -> None:
     pair = pair_factory()
     request = pair.gen_request(5, pair.prefill(1, 40))
     pair.meet()  # the READ is posted at once: the cancel comes after it
-    with stalled(pair.ctx):
-        pair.gen.transceiver.request_and_receive_async(request)
-        if when == "during":
-            time.sleep(0.1)
-        assert pair.gen.transceiver.cancel_request(request)
-        assert _poll_gen(pair, 5) == "error"
-        # the stalled peer never progressed the READ: it may still land, so its destination stays pinned
-        assert pair.gen.transceiver.has_poisoned_transfer_buffer()
-        pair.gen.cache.free(5)
-        assert pair.gen.cache.free_blocks == pair.shape.num_blocks - 3
+    agent = pair.gen.transceiver._agent
+    real_status, landed = agent.status, threading.Event()
+    # fault injection: the READ stays in flight until ``landed``. A stalled ctx cannot hold it: a one-sided READ
+    # through UCX's shared-memory transports completes without the target's progress (it once did within 0.1 s)
+    agent.status = lambda handle: real_status(handle) if landed.is_set() else TransferStatus.IN_PROGRESS
+    pair.gen.transceiver.request_and_receive_async(request)
+    if when == "during":
+        time.sleep(0.1)
+    assert pair.gen.transceiver.cancel_request(request)
+    assert _poll_gen(pair, 5) == "error"
+    # the READ never left in progress: it may still land, so its destination stays pinned
+    assert pair.gen.transceiver.has_poisoned_transfer_buffer()
+    pair.gen.cache.free(5)
+    assert pair.gen.cache.free_blocks == pair.shape.num_blocks - 3
     assert "cancelled on the gen side" in request.error
     assert not pair.gen.transceiver.cancel_request(request)  # after the end: nothing to cancel
     assert pair.ctx.transceiver.check_context_transfer_status(None).error_request_ids == {1}
+    landed.set()
     deadline = time.monotonic() + 5
     while pair.gen.transceiver.has_poisoned_transfer_buffer() and time.monotonic() < deadline:
         time.sleep(0.02)
