@@ -2,13 +2,21 @@
 
 NIXL agents are used without internal locking, so every agent call runs here. The loop runs submitted
 calls, polls notifications and hands each to the handler of its message type, and ticks the sender and
-receiver so they can check transfers and deadlines. It spins briefly while work is pending and sleeps on
-its command queue when idle.
+receiver so they can check transfers and deadlines. Each ticker says what it has pending (``Tick``):
+BUSY, pass again after ``busy_sleep_s``; WAITING, messages from peers are expected; IDLE, nothing outstanding.
+Otherwise the loop waits on its command queue: IDLE_WAIT_S when idle; while waiting, briefly after a pass that
+brought messages (an exchange, such as staged claims, goes on), then twice as long after each pass that brought
+none, up to IDLE_WAIT_S. A side that only waits for its peers (a ctx holding blocks until each reader's ReadDone)
+thus polls at a cadence instead of spinning: control messages are not latency-critical, the gen side proves its
+holds on its own, and every wake-up costs CPU (60-260 us on a virtual machine). Polling also advances our UCX
+workers (NIXL runs no progress thread for us): a new peer's connection set-up, and READs over transports that
+need the target's progress (TCP), go at this cadence.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import queue
 import threading
@@ -25,7 +33,15 @@ log = logging.getLogger(__name__)
 
 PR_SET_TIMERSLACK = 29
 BUSY_SLEEP_S = 50e-6
-IDLE_WAIT_S = 2e-3
+IDLE_WAIT_S = 2e-3  # the longest a pass waits: deadlines, leases, peers' messages and UCX's progress go this often
+
+
+class Tick(enum.IntEnum):
+    """What a ticker has pending, so how soon the loop should pass again (the loop takes the most urgent)."""
+
+    IDLE = 0
+    WAITING = 1
+    BUSY = 2
 
 
 def _nothing() -> None:
@@ -49,7 +65,7 @@ class ProgressLoop:
         self._busy_sleep_s = busy_sleep_s
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._handlers: dict[type, Callable[[str, Any], None]] = {}
-        self._tickers: list[Callable[[float], bool]] = []
+        self._tickers: list[Callable[[float], Tick]] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -58,8 +74,8 @@ class ProgressLoop:
         """Call ``handler(sender, message)`` for every notification that decodes as ``message_type``."""
         self._handlers[message_type] = handler
 
-    def add_ticker(self, tick: Callable[[float], bool]) -> None:
-        """``tick(now)`` runs every iteration; it returns True while it has work pending."""
+    def add_ticker(self, tick: Callable[[float], Tick]) -> None:
+        """``tick(now)`` runs every pass; it returns what it has pending (``Tick``)."""
         self._tickers.append(tick)
 
     def submit(self, function: Callable[[], Any]) -> Future:
@@ -87,31 +103,42 @@ class ProgressLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
+        self.wake()  # (out of an idle wait at once)
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             log.error("progress loop did not stop within %.1f s", timeout_s)
 
     def _run(self) -> None:
         set_timer_slack_ns(1000)  # a 50 us sleep would otherwise last over 100 us (the kernel's default slack)
+        wait_s = IDLE_WAIT_S
         while not self._stopping.is_set():
             try:
-                worked = self._iterate()
+                pending, active = self._iterate()
             except Exception:  # a bug must not kill the only thread that makes progress
                 log.exception("progress loop iteration failed")
-                worked = False
-            if not worked:
-                try:
-                    function, future = self._commands.get(timeout=IDLE_WAIT_S)
-                except queue.Empty:
-                    continue
-                self._execute(function, future)
-            elif self._busy_sleep_s > 0:
-                time.sleep(self._busy_sleep_s)
+                pending, active = Tick.WAITING, False
+            if pending is Tick.BUSY:
+                wait_s = self._busy_sleep_s
+                if wait_s > 0:
+                    time.sleep(wait_s)
+                else:
+                    time.sleep(0)  # spin, but let other threads of this process have the GIL
+                continue
+            if pending is Tick.IDLE:
+                wait_s = IDLE_WAIT_S
+            elif active:  # an exchange goes on: its next message comes soon
+                wait_s = max(self._busy_sleep_s, 1e-6)
             else:
-                time.sleep(0)  # spin, but let other threads of this process have the GIL
+                wait_s = min(IDLE_WAIT_S, 2 * wait_s)
+            try:
+                function, future = self._commands.get(timeout=wait_s)
+            except queue.Empty:
+                continue
+            self._execute(function, future)
         self._drain_on_stop()
 
-    def _iterate(self) -> bool:
+    def _iterate(self) -> tuple[Tick, bool]:
+        """One pass; returns (the most urgent ticker's ``Tick``, whether commands ran or notifications came)."""
         ran = False
         while True:
             try:
@@ -124,10 +151,10 @@ class ProgressLoop:
         for sender, data in notes:
             self._dispatch(sender, data)
         now = time.monotonic()
-        busy = False
+        pending = Tick.IDLE
         for tick in self._tickers:
-            busy = tick(now) or busy
-        return ran or bool(notes) or busy
+            pending = max(pending, tick(now))
+        return Tick(pending), ran or bool(notes)
 
     def _dispatch(self, sender: str, data: bytes) -> None:
         try:

@@ -30,7 +30,7 @@ from nixl_kv.gen.side import GenSide, Incoming, Requests
 from nixl_kv.gen.stepped import SteppedPulls
 from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots
 from nixl_kv.interfaces import Formatter
-from nixl_kv.loop import ProgressLoop
+from nixl_kv.loop import ProgressLoop, Tick
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.peers import BOARD, PEER_SWEEP_S, PeerDirectory, kv_list
 from nixl_kv.protocol import LayersReady, ReadVerdict, StageGrant
@@ -157,7 +157,7 @@ class CacheReceiver:
         self._stuck.release_all()
 
     # --- progress loop ----------------------------------------------------------------------------------
-    def _tick(self, now: float) -> bool:
+    def _tick(self, now: float) -> Tick:
         self._prove.send_release_notices()
         direct_due = self._direct.tick(now)
         stepped = self._stepped.tick(now)
@@ -165,7 +165,9 @@ class CacheReceiver:
         if now - self._peers_swept_at >= PEER_SWEEP_S:
             self._peers_swept_at = now
             self._peers.forget_idle(now)
-        return stepped or direct_due
+        if stepped or direct_due:
+            return Tick.BUSY
+        return Tick.WAITING if self.pending or self._stuck or self._prove.notices_queued else Tick.IDLE
 
     def _retry_stuck(self, now: float) -> None:
         """Release the destinations of abandoned READs once their status has left in progress. Under the direct

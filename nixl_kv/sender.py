@@ -21,7 +21,7 @@ from nixl_kv.ctx.respond import SenderContext, respond
 from nixl_kv.ctx.serve import Serve
 from nixl_kv.ctx.table import RequestTable
 from nixl_kv.interfaces import Formatter
-from nixl_kv.loop import ProgressLoop
+from nixl_kv.loop import ProgressLoop, Tick
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.progress import ContextProgress
@@ -85,7 +85,6 @@ class CacheSender:
         With ``progress`` the request is layer-wise: readers learn which layers are ready and read them as
         they become so, while prefill goes on."""
         future = respond(self._context, self._cache, self._table, request, block_ids_per_cp, progress)
-        self._loop.wake()  # poll for its readers at once, not after an idle wait
         return future
 
     def cancel(self, request_id: int) -> bool:
@@ -116,15 +115,16 @@ class CacheSender:
         """Unpin the requests whose promise has run out (``everything``: all, at close: see ``Release``)."""
         self._release.release_deferred(everything)
 
-    def _tick(self, now: float) -> bool:
+    def _tick(self, now: float) -> Tick:
         """Costs what changed, not what is outstanding: leases come off a heap, announcements from the
-        layer-wise requests someone watches."""
+        layer-wise requests someone watches. Busy (iterate again at once) only while messages wait to be replayed
+        or prefill goes on under watchers; requests that only wait for their readers' ReadDone are not."""
         self._release.expire(now)
-        with self._table.lock:
-            busy = bool(self._table.outgoing)
         self._serve.announce_changes()
         # a slot whose lease ran out while granted is poisoned, and comes back one lease later (expire_leases)
         self._staging.expire_leases(now, self._context.lease_ms / 1000)
         self._table.replay_parked(now)
         self._release.release_deferred()
-        return busy or bool(self._table.parked)
+        if self._table.parked or self._table.watched:
+            return Tick.BUSY
+        return Tick.WAITING if self._table.outgoing else Tick.IDLE  # (held blocks alone: polled at a cadence)

@@ -206,6 +206,9 @@ def test_different_pool_layouts_meet(pair_factory, ctx_kind: LayoutKind, gen_kin
 
 def test_lease_expiry_releases_blocks_and_a_late_read_fails_instead_of_reading_stale_bytes(pair_factory) -> None:
     pair = pair_factory(ctx_config={"lease_ms": 200})
+    # met first: the late request's deadline is the 200 ms lease, which a first contact under load can outlast
+    # (it then failed waiting for the peer to be loaded, before any READ)
+    pair.meet()
     ctx_request = pair.prefill(1, 40)
     statuses = pair.ctx.transceiver.check_context_transfer_status(None, mark_complete=True)
     assert statuses.error_request_ids == {1}

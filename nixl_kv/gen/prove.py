@@ -119,6 +119,10 @@ class Prove:
         )
         self._notices.append(notice)
 
+    @property
+    def notices_queued(self) -> bool:
+        return bool(self._notices)
+
     def send_release_notices(self) -> None:
         while self._notices:
             notice = self._notices.popleft()
