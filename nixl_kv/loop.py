@@ -67,6 +67,7 @@ class ProgressLoop:
         self._handlers: dict[type, Callable[[str, Any], None]] = {}
         self._tickers: list[Callable[[float], Tick]] = []
         self._stopping = threading.Event()
+        self.passes = 0  # passes made, ever (``nixl-kv pair`` reports them per request: CPU a load cannot blur)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -139,6 +140,7 @@ class ProgressLoop:
 
     def _iterate(self) -> tuple[Tick, bool]:
         """One pass; returns (the most urgent ticker's ``Tick``, whether commands ran or notifications came)."""
+        self.passes += 1
         ran = False
         while True:
             try:

@@ -81,7 +81,7 @@ class CacheReceiver:
         self._reads = Reads(side)
         self.slow_peers = self._reads.slow_peers
         self._planner = Planner(side, direct_min_run_bytes)
-        self._admit = Admit(side, self._planner, max_states)
+        self._admit = Admit(side, max_states)
         self._prove = Prove(side, self._reads)
         self._direct = DirectPulls(side, self._planner, self._reads, self._prove)
         self._stepped = SteppedPulls(side, self._reads)
@@ -109,7 +109,12 @@ class CacheReceiver:
         future: Future = Future()
         request.transfer_start = time.monotonic()
         try:
-            incoming = self._admit.admit(request, future)
+            incoming = self._admit.admit(request, future)  # admit -> plan -> enter (pinned, in the table) -> start
+            try:
+                self._planner.plan(incoming)
+            except NixlKvError as exc:
+                self._admit.refuse(incoming, exc)
+            self._admit.enter(incoming)
         except Exception as exc:  # noqa: BLE001 - whatever the caller handed in, the request ends (never in flight)
             if not isinstance(exc, NixlKvError):  # a check that let through a value it should have refused: a bug
                 log.exception("admitting request %s failed unexpectedly", request.request_id)

@@ -258,6 +258,11 @@ class CacheTransceiver:
         return self._ctx.check(at_least, mark_complete)
 
     # --- gen side -----------------------------------------------------------------------------------------
+    @property
+    def loop_passes(self) -> int:
+        """Passes the progress loop made so far (a benchmark's measure of the loop's work; see ``nixl_kv.loop``)."""
+        return self._loop.passes
+
     def request_and_receive_async(self, request: TransferRequest) -> None:
         """Start pulling the request's KV from the ctx instance its ContextPhaseParams name."""
         if request.request_id in self._gen:

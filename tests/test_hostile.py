@@ -299,16 +299,18 @@ def test_a_verdict_from_an_agent_that_took_the_ctx_agents_name_needs_the_secret(
     pair.ctx.transceiver._board.post = lambda token, masked=0: False  # no hold check: the pull waits for a verdict
     pair.ctx.transceiver._loop.on_message(ReadDone, lambda reader, message: None)  # the real answer never comes
     ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
-    ctx_request = pair.prefill(1, 40)
-    request = pair.gen_request(5, ctx_request)
-    pair.gen.transceiver.request_and_receive_async(request)
-    receiver = pair.gen.transceiver._receiver
-    waiting = lambda: [p for _, p in receiver._direct.by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
-    assert _wait_for(lambda: len(waiting()) == 1)
-    (transfer_id,) = receiver._direct.by_transfer
+    # made before the lease starts: under load, making an agent took much of the lease, and the real secret's
+    # verdict then came after the request's deadline
     impostor = NixlAgent(ctx_agent.name)
     try:
         impostor.load_remote(gen_agent.metadata(), gen_agent.name)
+        ctx_request = pair.prefill(1, 40)
+        request = pair.gen_request(5, ctx_request)
+        pair.gen.transceiver.request_and_receive_async(request)
+        receiver = pair.gen.transceiver._receiver
+        waiting = lambda: [p for _, p in receiver._direct.by_transfer.values() if p.step.value.startswith("waiting")]  # noqa: E731
+        assert _wait_for(lambda: len(waiting()) == 1)
+        (transfer_id,) = receiver._direct.by_transfer
         verdict = ReadVerdict(pair.ctx.transceiver.instance_id, 1, transfer_id, True)
         if proof != "none":
             verdict = prove(verdict, _secret(ctx_request), impostor.name)
@@ -460,13 +462,16 @@ def test_staging_slots_granted_to_a_reader_that_vanished_come_back_one_lease_aft
     from nixl_kv.protocol import StageClaim, StageGrant
 
     pair = pair_factory(ctx_config={"lease_ms": 400})
+    pair.meet()  # (the gen's first contact, like the reader's agent below, could outlast the lease under load)
     ctx_agent, instance = pair.ctx.transceiver._agent, pair.ctx.transceiver.instance_id
     staging = pair.ctx.transceiver._staging
-    ctx_request = pair.prefill(1, 40)
-    secret = _secret(pair.gen_request(5, ctx_request))
+    # the reader's agent is made and has met the ctx before the 400 ms lease starts (under load, making it took
+    # longer than the lease, so its claims came too late to be granted)
     reader = NixlAgent("vanishing-reader")
     try:
         reader.load_remote(ctx_agent.metadata(), ctx_agent.name)
+        ctx_request = pair.prefill(1, 40)
+        secret = _secret(pair.gen_request(5, ctx_request))
         me, slots = reader.metadata(), len(staging.slots)
         for transfer_id in range(slots):
             claim = prove(
@@ -481,7 +486,7 @@ def test_staging_slots_granted_to_a_reader_that_vanished_come_back_one_lease_aft
             return len(grants) == slots
 
         assert _wait_for(granted), grants
-        assert all(grant.ok for grant in grants) and staging.free_slots == 0
+        assert all(grant.ok for grant in grants) and staging.free_slots == 0, grants
         assert _wait_for(lambda: staging.poisoned_slots == slots, timeout_s=2.0)  # its lease ran out
         assert _wait_for(lambda: staging.free_slots == slots, timeout_s=2.0)  # one lease later
         assert ctx_request.error is None or "lease" in ctx_request.error

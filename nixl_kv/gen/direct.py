@@ -21,7 +21,7 @@ from nixl_kv.gen.plan import Planner
 from nixl_kv.gen.prove import Prove
 from nixl_kv.gen.pull import Pull, Step
 from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, give_up_at, start_by, too_late_to_start, why_expired
-from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.gen.side import GenSide, Incoming, proven_answer
 from nixl_kv.interfaces import PeerRead, TransferStatus
 from nixl_kv.loop import IDLE_WAIT_S
 from nixl_kv.peers import BOARD, kv_list
@@ -333,10 +333,7 @@ class DirectPulls:
             if found is None:
                 return False
             incoming, pull = found
-            if sender != pull.rank.agent_name or verdict.request_id != incoming.key[1]:
-                log.warning("ignored a verdict from %s for transfer %d it does not own", sender, verdict.transfer_id)
-                return True
-            if self._side.control.forged(verdict, incoming.secret, sender):
+            if not proven_answer(self._side, incoming, pull, sender, verdict):
                 return True
             pull.verdict = "" if verdict.ok else (verdict.reason or "refused by the ctx side")
             if pull.step is Step.VERDICT and not incoming.future.done():
@@ -365,30 +362,14 @@ class DirectPulls:
             return bool(self._deadlines) and self._deadlines[0][0] <= now
 
     def fail(self, incoming: Incoming, reason: str) -> None:
-        """End a direct request in error: what may still land stays poisoned; ctx peers are told not to wait."""
-        side = self._side
+        """End a direct request in error (``finish.fail``), once its pulls are out of the poll queue."""
         with self.lock:
             if incoming.future.done():
                 return
             for pull in incoming.pulls:
-                self._queue.pop((incoming.key, pull.read.peer_rank))
+                unit = (incoming.key, pull.read.peer_rank)
+                self._queue.pop(unit)
                 if pull.step is Step.CONNECT:
-                    self._stop_connecting((incoming.key, pull.read.peer_rank), pull)
+                    self._stop_connecting(unit, pull)
                 self.by_transfer.pop(pull.transfer_id, None)
-                peer = pull.rank.agent_name
-                landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
-                if pull.early is not None:
-                    finish.abandon(side, incoming, pull.early, None, landing, reason, peer)
-                    landing, pull.early = None, None
-                if pull.handle is not None:
-                    finish.abandon(side, incoming, pull.handle, pull.slot, landing, reason, peer)
-                    pull.handle, pull.slot = None, None
-                elif landing is not None:
-                    side.landing.give(landing)
-                if pull.slot is not None:
-                    side.staging.release(pull.slot)
-                    pull.slot = None
-                if pull.step is not Step.DONE and pull.read.expected_readers:
-                    expected = pull.read.expected_readers
-                    finish.tell_ctx_failed(side, incoming, pull.rank, pull.transfer_id, expected, reason)
-            finish.end(side, incoming, reason)
+            finish.fail(self._side, incoming, reason)

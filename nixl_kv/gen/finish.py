@@ -13,6 +13,7 @@ from typing import Any
 
 from nixl_kv.buffers import StagingSlot
 from nixl_kv.errors import AgentError, TransferError
+from nixl_kv.gen.pull import IN_TRANSFER, Step
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.state import RankCommInfo
@@ -32,6 +33,31 @@ def end(side: GenSide, incoming: Incoming, failure: str | None) -> None:
         incoming.future.set_result(None)
     else:
         incoming.future.set_exception(TransferError(failure))
+
+
+def fail(side: GenSide, incoming: Incoming, reason: str) -> None:
+    """End a request in error, whatever its path: every READ still in flight is abandoned (its destination poisoned
+    while it may land), staging slots and landing windows come back, and each ctx peer still counting on a read is
+    told not to wait. The caller has already stopped advancing the pulls (under the lock of their path)."""
+    for pull in incoming.pulls:
+        peer = pull.rank.agent_name
+        landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
+        if pull.early is not None:
+            abandon(side, incoming, pull.early, None, landing, reason, peer)
+            landing, pull.early = None, None
+        if pull.handle is not None:
+            abandon(side, incoming, pull.handle, pull.slot, landing, reason, peer)
+            pull.handle, pull.slot = None, None  # the slot was released, or poisoned with the READ
+        elif landing is not None:
+            side.landing.give(landing)
+        if pull.slot is not None:
+            side.staging.release(pull.slot)
+            pull.slot = None
+        if pull.step is not Step.DONE and pull.read.expected_readers:
+            # (a stepped pull between transfers has no transfer the peer knows of; a direct one has one throughout)
+            transfer_id = pull.transfer_id if pull.fast or pull.step in IN_TRANSFER else 0
+            tell_ctx_failed(side, incoming, pull.rank, transfer_id, pull.read.expected_readers, reason)
+    end(side, incoming, reason)
 
 
 def abandon(

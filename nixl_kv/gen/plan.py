@@ -27,10 +27,18 @@ class Planner:
         self._direct_min_run_bytes = direct_min_run_bytes
         self._plans = PlanCache(self._plan_from_scratch)
 
-    def plan(
+    def plan(self, incoming: Incoming) -> None:
+        """The admitted request's reads and its per-peer pulls (no byte moves yet); NixlKvError if it cannot be
+        read here."""
+        request, params = incoming.request, incoming.params
+        incoming.read_request, plan = self._reads(request, params, incoming.ctx_state)
+        request.transfer_bytes = sum(read.total_bytes for read in plan)
+        self._pulls(incoming, plan, params)
+
+    def _reads(
         self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
     ) -> tuple[ReadRequest, list[PeerRead]]:
-        """Check the pairing and plan this rank's reads of the request (no byte moves yet)."""
+        """Check the pairing and plan this rank's reads of the request."""
         side = self._side
         if params.layerwise and ctx_state.cache.rnn is not None:
             raise NotSupportedError(
@@ -59,7 +67,7 @@ class Planner:
         num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
         return read_request, self._plans.plan(read_request, num_blocks)
 
-    def pulls(self, incoming: Incoming, plan: list[PeerRead], params: ContextPhaseParams) -> None:
+    def _pulls(self, incoming: Incoming, plan: list[PeerRead], params: ContextPhaseParams) -> None:
         """The request's per-peer pulls: fast ones where every part can be (``direct_eligible``), else stepped."""
         ctx_state, layerwise = incoming.ctx_state, params.layerwise
         ranks = ctx_state.comm.ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -18,10 +19,12 @@ from nixl_kv.interfaces import Formatter, ReadRequest, TransferAgent
 from nixl_kv.loop import ProgressLoop
 from nixl_kv.metrics import TransferMetrics
 from nixl_kv.peers import PeerDirectory
-from nixl_kv.protocol import ReadDone
+from nixl_kv.protocol import ReadDone, ReadVerdict, StageGrant
 from nixl_kv.requests import TransferRequest
-from nixl_kv.state import DataTransceiverState
+from nixl_kv.state import ContextPhaseParams, DataTransceiverState
 from nixl_kv.stuck import RequestKey, StuckReads
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,11 +37,21 @@ class Incoming:
     num_blocks: int
     deadline: float
     future: Future
-    read_request: ReadRequest | None = None
+    read_request: ReadRequest | None = None  # (plan: the request's reads as planned)
     pulls: list[Pull] = field(default_factory=list)  # one per ctx peer
     fast: bool = False  # its pulls take the fast path (``nixl_kv.gen.direct``), else the stepped one
     secret: bytes = b""  # the request's secret from its params: our proof to the ctx, and the ctx's to us
+    params: ContextPhaseParams | None = None  # decoded by admit
     stuck: bool = False  # a READ could not be cancelled: the blocks stay pinned until the agent lets go
+
+
+def proven_answer(side: GenSide, incoming: Incoming, pull: Pull, sender: str, answer: ReadVerdict | StageGrant) -> bool:
+    """The one check of a peer's answer (a verdict, a stage grant) to a pull: from the pull's peer, about its
+    request, and proven with the request's secret. A misdirected answer is logged, a forged one counted."""
+    if sender != pull.rank.agent_name or answer.request_id != incoming.key[1]:
+        log.warning("ignored an answer from %s for transfer %d it does not own", sender, answer.transfer_id)
+        return False
+    return not side.control.forged(answer, incoming.secret, sender)
 
 
 class Requests:

@@ -17,7 +17,7 @@ from nixl_kv.errors import BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.gen import finish
 from nixl_kv.gen.pull import IN_TRANSFER, Pull, Step
 from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, too_late_to_start, why_expired
-from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.gen.side import GenSide, Incoming, proven_answer
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.peers import kv_list
 from nixl_kv.protocol import LayersReady, LayerWatch, NoReaders, ReadVerdict, StageClaim, StageGrant
@@ -274,36 +274,26 @@ class SteppedPulls:
 
     def _owner(self, sender: str, message: ReadVerdict | StageGrant) -> Pull | None:
         """The pull whose transfer in progress the (proven) answer is about; None (dropped) otherwise."""
-        transfer_id, request_id = message.transfer_id, message.request_id
+        transfer_id = message.transfer_id
         found = self._by_transfer.get(transfer_id)
         if found is None:
             return None  # the request already ended
         incoming, pull = found
-        ours = pull.step in IN_TRANSFER and pull.transfer_id == transfer_id
-        if sender != pull.rank.agent_name or request_id != incoming.key[1] or not ours:
-            log.warning("ignored an answer from %s for transfer %d it does not own", sender, transfer_id)
+        if not (pull.step in IN_TRANSFER and pull.transfer_id == transfer_id):
+            log.warning("ignored an answer from %s for transfer %d not in progress", sender, transfer_id)
             return None
-        if self._side.control.forged(message, incoming.secret, sender):
-            return None
-        return pull
+        return pull if proven_answer(self._side, incoming, pull, sender, message) else None
 
     def fail(self, incoming: Incoming, reason: str) -> None:
-        """End a request in error: abandon READs still in flight and tell the ctx peers not to wait."""
-        for pull in incoming.pulls:
-            in_transfer = pull.step in IN_TRANSFER
-            if pull.handle is not None:
-                finish.abandon(self._side, incoming, pull.handle, pull.slot, None, reason, pull.rank.agent_name)
-                pull.handle, pull.slot = None, None  # the slot was released, or poisoned with the READ
-            if pull.slot is not None:
-                self._side.staging.release(pull.slot)
-                pull.slot = None
-            if pull.step is not Step.DONE and pull.read.expected_readers:
-                transfer_id = pull.transfer_id if in_transfer else 0
-                finish.tell_ctx_failed(self._side, incoming, pull.rank, transfer_id, pull.read.expected_readers, reason)
-        self._end(incoming, reason)
+        """End a request in error (``finish.fail``); its verdicts are no longer awaited."""
+        self._forget_transfers(incoming)
+        finish.fail(self._side, incoming, reason)
 
     def _end(self, incoming: Incoming, failure: str | None) -> None:
+        self._forget_transfers(incoming)
+        finish.end(self._side, incoming, failure)
+
+    def _forget_transfers(self, incoming: Incoming) -> None:
         for pull in incoming.pulls:
             if pull.step in IN_TRANSFER:
                 self._by_transfer.pop(pull.transfer_id, None)
-        finish.end(self._side, incoming, failure)

@@ -193,6 +193,7 @@ class PairReport:
     raw_request_seconds: list[float] = field(default_factory=list)  # one descriptor of one request's bytes
     raw_request_bytes: int = 0
     cpu_s: dict[str, list[float]] = field(default_factory=lambda: {"ctx": [], "gen": []})  # per round, all ranks
+    loop_passes: dict[str, list[int]] = field(default_factory=lambda: {"ctx": [], "gen": []})  # likewise
     ctx_errors: dict[str, str] = field(default_factory=dict)
     leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # per instance: what its agent held after close
     rss_growth_kb: dict[str, int] = field(default_factory=dict)  # per instance: resident memory, ready to close
@@ -236,6 +237,13 @@ class PairReport:
         rounds = steady_rounds(self.cpu_s[role])
         count = len(self.steady_results())
         return 1e6 * sum(rounds) / count if rounds and count else None
+
+    def loop_passes_per_request(self, role: str) -> float | None:
+        """The side's progress-loop passes (every rank) over the same span, per request: the loop's share of that
+        CPU, as a count that a loaded machine does not blur."""
+        rounds = steady_rounds(self.loop_passes[role])
+        count = len(self.steady_results())
+        return sum(rounds) / count if rounds and count else None
 
     def request_bytes(self) -> int | None:
         """The bytes every steady request moved, None where they differ (or none has a latency): a raw READ of one
@@ -281,6 +289,8 @@ class PairReport:
             "first_round_ms": 1e3 * self.round_seconds[0] if self.round_seconds else None,
             "gen_cpu_us_per_request": self.cpu_us_per_request("gen"),
             "ctx_cpu_us_per_request": self.cpu_us_per_request("ctx"),
+            "gen_loop_passes_per_request": self.loop_passes_per_request("gen"),
+            "ctx_loop_passes_per_request": self.loop_passes_per_request("ctx"),
             "ctx_errors": self.ctx_errors,
             "slowest_failure_s": max((r.seconds for r in self.results if not r.verified), default=None),
             "faults": {
@@ -535,7 +545,9 @@ def _run_round(options: PairOptions, round_index: int, ctx: Worker, gen: Worker,
         settled = ctx.expect("settled", options.step_timeout_s)
         report.ctx_errors.update({str(k): v for k, v in settled["errors"].items()})
         report.cpu_s["ctx"].append(settled["cpu_s"])
+        report.loop_passes["ctx"].append(settled["passes"])
     report.cpu_s["gen"].append(received["cpu_s"])
+    report.loop_passes["gen"].append(received["passes"])
     report.round_seconds.append(received["seconds"])
     report.round_bytes.append(sum(r["bytes"] for r in received["results"]))
     tokens = dict(zip(ids, options.requests, strict=True))
@@ -615,7 +627,8 @@ def format_table(report: PairReport) -> str:
     if s["gen_cpu_us_per_request"] is not None and s["ctx_cpu_us_per_request"] is not None:
         lines.append(
             f"CPU per request: gen {s['gen_cpu_us_per_request']:.0f} µs, ctx {s['ctx_cpu_us_per_request']:.0f} µs "
-            "(every thread, rounds after the first)"
+            f"(every thread, rounds after the first); progress-loop passes per request: gen "
+            f"{s['gen_loop_passes_per_request']:.1f}, ctx {s['ctx_loop_passes_per_request']:.1f}"
         )
     if s["ctx_errors"]:
         lines.append(f"ctx side errors: {s['ctx_errors']}")

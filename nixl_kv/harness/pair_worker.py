@@ -341,7 +341,7 @@ class Instance:
             for request in batch:
                 self.transceiver.respond_and_send_async(request)
         self.requests.extend(batch)
-        self.cpu_mark = time.process_time()  # settle counts the CPU from here: the pull, not the harness's fill
+        self.mark = self._usage()  # settle counts from here: the pull, not the harness's fill
         return [(r.request_id, base64.b64encode(r.context_phase_params).decode()) for r in batch]
 
     def cancel(self, request_ids: list[int]) -> None:
@@ -352,20 +352,30 @@ class Instance:
                 self.transceiver.cancel_request(request)
 
     def settle(self) -> tuple[dict[int, str], float]:
-        """Errors of the batch's requests, and this process's CPU seconds since they were responded to."""
+        """Errors of the batch's requests, and this process's CPU seconds and loop passes since they were
+        responded to."""
         self.transceiver.check_context_transfer_status(None, mark_complete=True)
-        cpu_s = time.process_time() - self.cpu_mark
+        usage = self._since(self.mark)
         errors = {r.request_id: r.error or "" for r in self.requests if r.state is not RequestState.CONTEXT_COMPLETE}
         for request in self.requests:
             self._free(request.request_id)
         self.requests.clear()
-        return errors, cpu_s
+        return errors, usage
+
+    def _usage(self) -> tuple[float, int]:
+        """This process's CPU seconds (every thread) and its progress loop's passes, so far."""
+        return time.process_time(), self.transceiver.loop_passes
+
+    def _since(self, mark: tuple[float, int]) -> tuple[float, int]:
+        cpu_s, passes = self._usage()
+        return cpu_s - mark[0], passes - mark[1]
 
     # --- gen ---------------------------------------------------------------------------------------------
-    def receive(self, items: list[list[Any]]) -> tuple[float, float, list[dict[str, Any]]]:
+    def receive(self, items: list[list[Any]]) -> tuple[float, tuple[float, int], list[dict[str, Any]]]:
         """Items are (gen request id, ctx request id, tokens, params, fault); this rank's share of all is pulled at
         once. ``fault`` (harness.faults) is injected into that request. Returns the pull's seconds, this process's
-        CPU seconds over it (every thread; not the harness's allocation and verification), and the results."""
+        CPU seconds and loop passes over it (every thread; not the harness's allocation and verification), and the
+        results."""
         mine, faults = [], {}
         for index, (gen_id, ctx_id, num_tokens, params, fault) in enumerate(items):
             if self.holds(index):
@@ -382,14 +392,14 @@ class Instance:
                     gen_id, context_phase_params=data, reused_blocks=self.spec.reuse_prefix_blocks
                 )
                 mine.append((request, where))
-        start, started, cpu_start = time.perf_counter(), {}, time.process_time()
+        start, started, mark = time.perf_counter(), {}, self._usage()
         for request, _ in mine:
             started[request.request_id] = time.perf_counter()
             self.transceiver.request_and_receive_async(request)
             if faults[request.request_id] == "cancel":
                 self.transceiver.cancel_request(request)
         completed_at = self._wait_all()
-        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        seconds, usage = time.perf_counter() - start, self._since(mark)
         results = []
         ctx_ids = {gen_id: ctx_id for gen_id, ctx_id, *_ in items}
         for request, where in mine:
@@ -411,7 +421,7 @@ class Instance:
                 }
             )
             self._free(request.request_id)
-        return seconds, cpu_s, results
+        return seconds, usage, results
 
     def _hold_prefix(self, gen_id: int, ctx_id: int, where: Slice) -> None:
         """Prefix reuse: the gen side already holds the first blocks (here: the content they must have)."""
@@ -660,14 +670,16 @@ def _serve(role: str, spec: InstanceSpec, comm: CacheTransceiverComm) -> None:
                 settled = comm.allgather(instance.settle())
                 if lead:
                     errors = {str(k): v for e, _ in settled for k, v in e.items()}
-                    emit(op="settled", errors=errors, cpu_s=sum(cpu for _, cpu in settled))
+                    usages = [usage for _, usage in settled]
+                    emit(op="settled", errors=errors, cpu_s=sum(u[0] for u in usages), passes=sum(u[1] for u in usages))
             elif op == "receive":
                 gathered = comm.allgather(instance.receive(command["items"]))
                 if lead:
                     emit(
                         op="received",
                         seconds=max(s for s, _, _ in gathered),
-                        cpu_s=sum(cpu for _, cpu, _ in gathered),
+                        cpu_s=sum(usage[0] for _, usage, _ in gathered),
+                        passes=sum(usage[1] for _, usage, _ in gathered),
                         results=merge_results([r for _, _, r in gathered]),
                     )
             elif lead and op == "baseline_source":

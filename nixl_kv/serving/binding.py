@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from nixl_kv import wire
 from nixl_kv.errors import WireFormatError
-from nixl_kv.params_seal import is_sealed, prompt_digest
+from nixl_kv.params_seal import params_problem, prompt_digest
 from nixl_kv.state import ContextPhaseParams
 
 MAX_USED = 65_536  # params remembered as used; beyond it the oldest are forgotten (their ctx side refuses them)
@@ -41,8 +41,8 @@ class BoundParams:
 def check_binding(params: bytes, prompt: list[int], first_token: int) -> BoundParams:
     """The params, if they were made for this prompt and first token; else ``Refused`` (400 for params that are not
     intact, 422 for a body they were not made for)."""
-    if not is_sealed(params):
-        raise Refused(400, "params: the ContextPhaseParams fail their checksum (damaged, or not made by a ctx server)")
+    if problem := params_problem(params):  # (the gen side's one check: not bytes, too long, damaged)
+        raise Refused(400, f"params: the ContextPhaseParams {problem}")
     try:
         decoded = wire.decode(params, ContextPhaseParams)
     except WireFormatError as exc:
