@@ -335,4 +335,4 @@ def label(agent: Any, rank: RankCommInfo, read: Any) -> str:
     if not offer(agent, rank):
         return ""
     rows = len(read.state.local_rows) if read.state is not None and read.local_indices is None else 0
-    return "ipc " if read.gathered or rows >= agent.min_rows else ""
+    return "ipc " if rows >= agent.min_rows else ""  # (a gathered piece is one row a run of ctx blocks: NIXL's)

@@ -46,7 +46,6 @@ def _ipc_paths(summary: dict) -> set[str]:
 @pytest.mark.parametrize(
     "flags",
     [
-        ("--ctx=layout=block_major", "--gen=layout=nhd"),
         ("--ctx=tp=4", "--gen=tp=2", "--placement", "split"),
         ("--ctx=tp=2", "--gen=tp=4", "--placement", "split"),
         ("--ctx=layout=nhd", "--gen=layout=nhd"),
