@@ -52,6 +52,11 @@ MAX_POOLS = 1024
 # kernel launch with its table; from a few descriptors on (about 10 µs each through cuda_ipc) the kernel is cheaper.
 MIN_ROWS = 4
 ENV_SWITCH = "NIXL_KV_IPC_GATHER"
+# Runs at least this long are read directly (as rows, one gather) from peers whose pools are mapped, where NIXL READs
+# need runs of 1 MiB (``config.DIRECT_MIN_RUN_BYTES``) to beat staging: a TP or head-slice mismatch is then one
+# kernel over its head slabs instead of a staged or gathered piece per slot. Shorter runs (a head's 256 bytes of one
+# token) would make a table of millions of tiles: those pairings keep staging.
+MIN_RUN_BYTES = 4096
 
 
 def boot_id() -> bytes:
@@ -328,6 +333,14 @@ def wrap(agent: Any, regions: tuple[MemoryRegion, ...]) -> Any:
 def offer(agent: Any, rank: RankCommInfo) -> bool:
     """Tell the agent a peer's blob where it gathers (the planner's hook); whether that peer's rows are gathered."""
     return isinstance(agent, IpcAgent) and agent.offer(rank)
+
+
+def min_run_bytes(agent: Any, ctx_state: Any, layerwise: bool, configured: int) -> int:
+    """The planner's hook: the shortest run read directly. At most MIN_RUN_BYTES where every ctx rank's rows would be
+    gathered (a fast pull: not layer-wise, the ctx keeps a hold board), else the configured threshold."""
+    if layerwise or not ctx_state.hold_key or not isinstance(agent, IpcAgent):
+        return configured
+    return min(configured, MIN_RUN_BYTES) if all(agent.offer(rank) for rank in ctx_state.comm.ranks) else configured
 
 
 def label(agent: Any, rank: RankCommInfo, read: Any) -> str:

@@ -98,3 +98,22 @@ def test_reads_it_does_not_gather_are_the_wrapped_agents() -> None:
         gen.close()  # closes the wrapped agent too
         ctx.close()
         assert inner.live_handles == {"transfers": 0, "prepared": 0, "remotes": 0, "registrations": 0}
+
+
+def test_short_runs_are_read_directly_only_from_peers_whose_rows_are_gathered() -> None:
+    """The planner's threshold: lowered to MIN_RUN_BYTES only where every ctx rank is mapped, for fast pulls."""
+    from nixl_kv.state import CommState
+
+    ranks = (_rank(b"one"), RankCommInfo("ctx-1", b"", _layout(), ipc_pools=b"two"))
+    state = type("State", (), {"hold_key": b"k" * 32, "comm": CommState(ranks)})()
+    configured = 1 << 20
+    agent = ipc_path.IpcAgent(object(), 0)
+    assert ipc_path.min_run_bytes(object(), state, False, configured) == configured  # no gathers at all
+    assert ipc_path.min_run_bytes(agent, state, False, configured) == configured  # blobs it cannot map
+    agent._blobs.update({"ctx-0": b"one", "ctx-1": b"two"})  # as if both had been mapped (no GPU here)
+    agent._mappings.update({"ctx-0": object(), "ctx-1": object()})
+    assert ipc_path.min_run_bytes(agent, state, False, configured) == ipc_path.MIN_RUN_BYTES
+    assert ipc_path.min_run_bytes(agent, state, False, 1024) == 1024  # never above what was configured
+    assert ipc_path.min_run_bytes(agent, state, True, configured) == configured  # layer-wise: stepped, NIXL
+    agent._mappings["ctx-1"] = None  # one rank read through NIXL: the whole request keeps NIXL's threshold
+    assert ipc_path.min_run_bytes(agent, state, False, configured) == configured

@@ -50,7 +50,9 @@ class Planner:
             peer_dp_rank=params.ctx_dp_rank,
             first_block=request.reused_blocks,
             stage_bytes=self._stage_bytes(ctx_state),
-            direct_min_run_bytes=self._direct_min_run_bytes,
+            direct_min_run_bytes=ipc_path.min_run_bytes(  # issue 33 hook
+                side.agent, ctx_state, params.layerwise, self._direct_min_run_bytes
+            ),
             layerwise=params.layerwise,
             self_indexer=getattr(side.cache, "indexer_layout", None),
             self_rnn=getattr(side.cache, "rnn_layout", None),
