@@ -3,7 +3,8 @@ end to end through ctx and gen transceivers in separate processes (``nixl-kv pai
 ``NIXL_KV_IPC_GATHER=0`` the same runs take NIXL READs; faults (cancels racing the gather, forged messages, corrupt
 params) end as they must; handles the driver refuses fall back to NIXL.
 
-Run on the GPU machine; skipped where cupy or a GPU is missing.
+Run on the GPU machine after ``source scripts/_gpu_env.sh`` (its environment: the pair's MPI ranks run as root
+there); skipped where cupy or a GPU is missing.
 """
 
 from __future__ import annotations
