@@ -6,7 +6,8 @@ fraction of the copy engine's rate. Between processes of one host, the gen can m
 (``nixl_kv.ipc_gather``) and copy every row of a READ with one kernel launch.
 
 How it fits (a narrow interface, nothing else changes):
-- ``export_blob``: the ctx rank's VRAM regions as CUDA IPC handles, with its host's boot id and its pid; it travels
+- ``export_blob``: the ctx rank's VRAM regions as CUDA IPC handles, with its host's boot id and a token of its
+  process; it travels
   in ``RankCommInfo.ipc_pools`` (sealed with the rest of the ctx state).
 - ``IpcAgent`` wraps the rank's ``TransferAgent``. ``offer`` tells it a peer's blob (the planner, per pull);
   ``read_ranges`` of a peer it could map, VRAM to VRAM, without a notification and with at least ``min_rows``
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import struct
 import threading
 import uuid
@@ -45,7 +47,7 @@ from nixl_kv.state import RankCommInfo
 log = logging.getLogger(__name__)
 
 VERSION = 1
-_HEADER = struct.Struct("<B16sQH")  # version, boot id, pid, pools
+_HEADER = struct.Struct("<B16s8sH")  # version, boot id, process token, pools
 _POOL = struct.Struct("<64sQQQQ")  # handle, offset, address, nbytes, device
 MAX_POOLS = 1024
 # A READ of fewer rows goes to NIXL: one descriptor moves at the copy engine's rate for about the fixed cost of a
@@ -57,6 +59,8 @@ ENV_SWITCH = "NIXL_KV_IPC_GATHER"
 # kernel over its head slabs instead of a staged or gathered piece per slot. Shorter runs (a head's 256 bytes of one
 # token) would make a table of millions of tiles: those pairings keep staging.
 MIN_RUN_BYTES = 4096
+# Tells a peer in this very process (its addresses are ours) from one in another: pids repeat across containers.
+PROCESS_TOKEN = secrets.token_bytes(8)
 
 
 def boot_id() -> bytes:
@@ -89,7 +93,7 @@ def export_blob(regions: tuple[MemoryRegion, ...]) -> bytes:
     except Exception as exc:  # noqa: BLE001 - no CUDA, pools the driver cannot export (VMM, async pools)
         log.info("CUDA IPC export refused (%s): peers read through NIXL", exc)
         return b""
-    header = _HEADER.pack(VERSION, boot_id(), os.getpid(), len(handles))
+    header = _HEADER.pack(VERSION, boot_id(), PROCESS_TOKEN, len(handles))
     return header + b"".join(_POOL.pack(h.handle, h.offset, *h.to_wire()[2:]) for h in handles)
 
 
@@ -98,7 +102,7 @@ class Exported:
     """A decoded blob."""
 
     boot_id: bytes
-    pid: int
+    process: bytes  # the exporter's PROCESS_TOKEN
     pools: tuple[PoolHandle, ...]
 
 
@@ -106,11 +110,11 @@ def decode_blob(blob: bytes) -> Exported:
     """Decode and check a peer's blob (untrusted: any malformed one is an IncompatibleStateError)."""
     if len(blob) < _HEADER.size:
         raise IncompatibleStateError("a CUDA IPC blob shorter than its header")
-    version, boot, pid, count = _HEADER.unpack_from(blob)
+    version, boot, process, count = _HEADER.unpack_from(blob)
     if version != VERSION or count > MAX_POOLS or len(blob) != _HEADER.size + count * _POOL.size:
         raise IncompatibleStateError("a CUDA IPC blob of another version or size")
     pools = tuple(PoolHandle.from_wire(_POOL.unpack_from(blob, _HEADER.size + i * _POOL.size)) for i in range(count))
-    return Exported(boot, pid, pools)
+    return Exported(boot, process, pools)
 
 
 class Mapping:
@@ -122,7 +126,7 @@ class Mapping:
         self.device_id = device_id
         self.regions = tuple(pool.region for pool in exported.pools)
         self._opened: list[int] = []
-        if exported.pid == os.getpid():  # (a peer in this process: its pools must be on our device)
+        if exported.process == PROCESS_TOKEN:  # (a peer in this process: its pools must be on our device)
             if any(region.device_id != device_id for region in self.regions):
                 raise IncompatibleStateError("a peer in this process with pools on another device")
             self.mapped = np.array([region.address for region in self.regions], dtype=np.int64)

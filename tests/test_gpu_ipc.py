@@ -85,7 +85,7 @@ def test_handles_the_driver_refuses_fall_back_to_nixl_and_a_gather_is_polled_lik
     assert exported  # this process could export its pool
     version, boot, _, count = ipc_path._HEADER.unpack_from(exported)
     pool = exported[ipc_path._HEADER.size :]
-    forged = ipc_path._HEADER.pack(version, boot, 1, count) + b"\x55" * 64 + pool[64:]
+    forged = ipc_path._HEADER.pack(version, boot, b"another", count) + b"\x55" * 64 + pool[64:]
     agent = ipc_path.IpcAgent(object(), source.layout.pools[0].device_id, min_rows=2)
     assert not agent.offer(RankCommInfo("peer", b"", source.layout, ipc_pools=forged))
     assert agent.offer(RankCommInfo("self", b"", source.layout, ipc_pools=exported))

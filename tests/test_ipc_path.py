@@ -26,8 +26,8 @@ def _layout(pool: MemoryRegion = POOL) -> KVLayout:
     return KVLayout(LayoutKind.BLOCK_MAJOR, 64, 2, 2, 2, 16, 64, 2, (pool,))  # 64 blocks of 16 KiB
 
 
-def _blob(boot: bytes, pid: int, pools: tuple[MemoryRegion, ...], version: int = ipc_path.VERSION) -> bytes:
-    header = struct.pack("<B16sQH", version, boot, pid, len(pools))
+def _blob(boot: bytes, process: bytes, pools: tuple[MemoryRegion, ...], version: int = ipc_path.VERSION) -> bytes:
+    header = struct.pack("<B16s8sH", version, boot, process, len(pools))
     return header + b"".join(struct.pack("<64sQQQQ", b"\x07" * 64, 0, p.address, p.nbytes, p.device_id) for p in pools)
 
 
@@ -37,10 +37,10 @@ def _rank(blob: bytes, layout: KVLayout | None = None) -> RankCommInfo:
 
 def test_blobs_decode_and_malformed_ones_are_refused() -> None:
     boot = uuid.uuid4().bytes
-    exported = ipc_path.decode_blob(_blob(boot, 4321, (POOL,)))
-    assert (exported.boot_id, exported.pid, [p.region for p in exported.pools]) == (boot, 4321, [POOL])
-    good = _blob(boot, 1, (POOL,))
-    for bad in (good[:10], good[:-1], good + b"\0", _blob(boot, 1, (POOL,), version=2)):
+    exported = ipc_path.decode_blob(_blob(boot, b"process1", (POOL,)))
+    assert (exported.boot_id, exported.process, [p.region for p in exported.pools]) == (boot, b"process1", [POOL])
+    good = _blob(boot, b"process1", (POOL,))
+    for bad in (good[:10], good[:-1], good + b"\0", _blob(boot, b"process1", (POOL,), version=2)):
         with pytest.raises(IncompatibleStateError):
             ipc_path.decode_blob(bad)
 
@@ -62,9 +62,9 @@ def test_peers_that_cannot_be_mapped_read_through_nixl() -> None:
     here = ipc_path.boot_id()
     assert here != bytes(16)
     assert not agent.offer(_rank(b""))  # the ctx exported nothing
-    assert not agent.offer(_rank(_blob(uuid.uuid4().bytes, 1, (POOL,))))  # another host
+    assert not agent.offer(_rank(_blob(uuid.uuid4().bytes, b"process1", (POOL,))))  # another host
     other = MemoryRegion(POOL.address + (1 << 30), 1 << 20, 0, MemoryKind.VRAM)
-    assert not agent.offer(_rank(_blob(here, 1, (other,))))  # a region the rank did not register
+    assert not agent.offer(_rank(_blob(here, b"process1", (other,))))  # a region the rank did not register
     assert not agent.offer(_rank(b"garbage"))
     assert ipc_path.label(agent, _rank(b""), None) == ""
 
