@@ -163,13 +163,20 @@ def _kernel() -> Any:
 def gather_rows(local_rows: np.ndarray, remote_rows: np.ndarray, peer: PeerPools, stream: Any = None) -> Any:
     """Copy each remote row into its local row with one kernel launch on ``stream`` (the current one if None);
     returns the event recorded after it (its completion is the copy's). Rows of different lengths are refused."""
+    return gather_sources(local_rows, remote_rows, peer.translate(remote_rows), peer.device_id, stream)
+
+
+def gather_sources(
+    local_rows: np.ndarray, remote_rows: np.ndarray, sources: np.ndarray, device_id: int, stream: Any = None
+) -> Any:
+    """``gather_rows`` with the remote rows' addresses already translated into this process (``sources``)."""
     cupy = array_module(MemoryKind.VRAM)
     local = np.asarray(local_rows, dtype=np.int64).reshape(-1, 3)
     remote = np.asarray(remote_rows, dtype=np.int64).reshape(-1, 3)
     if local.shape != remote.shape or not np.array_equal(local[:, 1], remote[:, 1]):
         raise IncompatibleStateError("local and remote rows must pair up with equal lengths")
-    table, vector = tile_table(local[:, 0], peer.translate(remote), local[:, 1])
-    with cupy.cuda.Device(peer.device_id):
+    table, vector = tile_table(local[:, 0], sources, local[:, 1])
+    with cupy.cuda.Device(device_id):
         stream = stream or cupy.cuda.get_current_stream()
         with stream:
             tiles = cupy.asarray(table)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from nixl_kv import ipc_path  # issue 33 hook
 from nixl_kv.errors import NotSupportedError, TransferError
 from nixl_kv.gen.pull import Pull, Step, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
@@ -57,7 +58,9 @@ class Planner:
             peer_dp_rank=params.ctx_dp_rank,
             first_block=request.reused_blocks,
             stage_bytes=self._stage_bytes(ctx_state),
-            direct_min_run_bytes=self._direct_min_run_bytes,
+            direct_min_run_bytes=ipc_path.min_run_bytes(  # issue 33 hook
+                side.agent, ctx_state, params.layerwise, self._direct_min_run_bytes
+            ),
             layerwise=params.layerwise,
             self_indexer=getattr(side.cache, "indexer_layout", None),
             self_rnn=getattr(side.cache, "rnn_layout", None),
@@ -85,7 +88,8 @@ class Planner:
             ]
         for pull in incoming.pulls:
             if pull.read.expected_readers:
-                self._side.metrics.count_path(path_of(pull.read, layerwise))
+                ipc = ipc_path.label(self._side.agent, pull.rank, pull.read) if incoming.fast else ""  # issue 33 hook
+                self._side.metrics.count_path(ipc + path_of(pull.read, layerwise))
 
     def local_blocks(self, request_id: int) -> np.ndarray:
         try:
@@ -110,11 +114,12 @@ class Planner:
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
         """A direct KV part as explicit rows where that posts fewer descriptors (``nixl_kv.runs``: adjacent blocks
         on both sides merge), and read with the state after it: each READ costs a confirmation round trip."""
+        gathers = ipc_path.offer(self._side.agent, rank)  # issue 33 hook: a same-host peer's rows are gathered
         if read.local_indices is None:
             return read
         local, remote = self._side.cache.layout, rank.layout
         if read.state is None:
-            saved = MIN_SAVED[local.pools[0].memory.value]
+            saved = 0 if gathers else MIN_SAVED[local.pools[0].memory.value]  # (a gather takes rows, never indices)
             rows = coalesced_rows(local, read.local_indices, remote, read.remote_indices, read.coarse, saved)
             if rows is None:
                 return read  # the prepared lists post it as cheaply
