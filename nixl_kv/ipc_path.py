@@ -53,6 +53,8 @@ MAX_POOLS = 1024
 # A READ of fewer rows goes to NIXL: one descriptor moves at the copy engine's rate for about the fixed cost of a
 # kernel launch with its table; from a few descriptors on (about 10 µs each through cuda_ipc) the kernel is cheaper.
 MIN_ROWS = 4
+# Off unless NIXL_KV_IPC_GATHER=1: the gather has not yet run inside a request on a GPU (its GPU tests,
+# tests/test_gpu_ipc.py, have not passed on one), so no deployment takes it by default.
 ENV_SWITCH = "NIXL_KV_IPC_GATHER"
 # Runs at least this long are read directly (as rows, one gather) from peers whose pools are mapped, where NIXL READs
 # need runs of 1 MiB (``config.DIRECT_MIN_RUN_BYTES``) to beat staging: a TP or head-slice mismatch is then one
@@ -82,11 +84,17 @@ def rank_regions(rank: RankCommInfo) -> tuple[MemoryRegion, ...]:
     return tuple(regions)
 
 
+def enabled() -> bool:
+    """Whether this process gathers and exports (``NIXL_KV_IPC_GATHER=1``; off by default, see ENV_SWITCH)."""
+    return os.environ.get(ENV_SWITCH, "0") == "1"
+
+
 def export_blob(regions: tuple[MemoryRegion, ...]) -> bytes:
-    """The ctx side, once at start-up: the VRAM regions' IPC handles, or b"" where there are none or the driver
-    refuses (the peers then read through NIXL)."""
+    """The ctx side, once at start-up: the VRAM regions' IPC handles, or b"" where there are none, the driver
+    refuses, or the gather is off (the peers then read through NIXL; an empty blob is left out of the ctx state, so
+    peers of earlier versions read that state as before)."""
     vram = tuple(region for region in regions if region.memory is MemoryKind.VRAM)
-    if not vram or len(vram) > MAX_POOLS:
+    if not vram or len(vram) > MAX_POOLS or not enabled():
         return b""
     try:
         handles = export_pools(vram)
@@ -327,9 +335,9 @@ class IpcAgent:
 
 
 def wrap(agent: Any, regions: tuple[MemoryRegion, ...]) -> Any:
-    """The agent a rank with these pools should use: an ``IpcAgent`` for VRAM pools, the agent itself otherwise or
-    where ``NIXL_KV_IPC_GATHER=0`` (every READ through NIXL, as before issue 33)."""
-    if not regions or regions[0].memory is not MemoryKind.VRAM or os.environ.get(ENV_SWITCH, "1") == "0":
+    """The agent a rank with these pools should use: an ``IpcAgent`` for VRAM pools where the gather is on
+    (``enabled``), the agent itself otherwise (every READ through NIXL)."""
+    if not regions or regions[0].memory is not MemoryKind.VRAM or not enabled():
         return agent
     return IpcAgent(agent, regions[0].device_id)
 

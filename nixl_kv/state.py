@@ -167,7 +167,7 @@ class RankCommInfo:
     rnn: RnnLayout | None = None  # Mamba conv and SSM state (hybrid models)
     board: MemoryRegion | None = None  # the rank's hold board (nixl_kv.holds): readers check their READs on it
     clock_domain: str = field(default="", metadata={"max_len": 128})  # ranks sharing one CLOCK_MONOTONIC: same value
-    # issue 33 hook: the rank's VRAM pools as CUDA IPC handles (``nixl_kv.ipc_path.export_blob``; b"": none)
+    # the rank's VRAM pools as CUDA IPC handles (``nixl_kv.ipc_path.export_blob``; b"": none)
     ipc_pools: bytes = field(default=b"", metadata={"max_bytes": 1 << 17})
 
 

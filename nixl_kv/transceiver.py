@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from nixl_kv import ipc_path, wire  # (ipc_path: issue 33 hook)
+from nixl_kv import ipc_path, wire
 from nixl_kv.auth import KEY_BYTES as AUTH_KEY_BYTES
 from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
@@ -129,13 +129,13 @@ class CacheTransceiver:
             rnn=rnn,
             board=self._board.region,
             clock_domain=clock_domain(),
-            ipc_pools=ipc_path.export_blob(pools),  # issue 33 hook: the pools as CUDA IPC handles
+            ipc_pools=ipc_path.export_blob(pools),  # the pools as CUDA IPC handles (b"": none, or the gather is off)
         )
         comm_state = CommState(tuple(self._comm.allgather(me)))
         self.state = DataTransceiverState(self.instance_id, cache_state, comm_state, hold_key)
         self._serialized_state = wire.encode(self.state)
         self._tp_sync, self._pp_sync, self._gen_sync, self._cp_group = self._groups(cache_state)
-        agent = ipc_path.wrap(agent, pools)  # issue 33 hook: same-host READs of rows as CUDA IPC gathers
+        agent = ipc_path.wrap(agent, pools)  # same-host READs of rows as CUDA IPC gathers, where that is on
         self._loop = ProgressLoop(agent, self.config.progress_poll_us / 1e6)
         self._agent = agent
         formatter = formatter_class(cache_state.attention_type.value)()

@@ -50,6 +50,8 @@ def test_dram_pools_export_nothing_and_keep_their_agent(monkeypatch: pytest.Monk
     assert ipc_path.export_blob((dram,)) == b""
     agent = object()
     assert ipc_path.wrap(agent, (dram,)) is agent
+    monkeypatch.delenv(ipc_path.ENV_SWITCH, raising=False)
+    assert ipc_path.wrap(agent, (POOL,)) is agent and ipc_path.export_blob((POOL,)) == b""  # off by default
     monkeypatch.setenv(ipc_path.ENV_SWITCH, "0")
     assert ipc_path.wrap(agent, (POOL,)) is agent  # switched off: NIXL only
     monkeypatch.setenv(ipc_path.ENV_SWITCH, "1")

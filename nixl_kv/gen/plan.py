@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from nixl_kv import ipc_path  # issue 33 hook
+from nixl_kv import ipc_path
 from nixl_kv.errors import NotSupportedError, TransferError
 from nixl_kv.gen.pull import Pull, Step, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
@@ -58,7 +58,7 @@ class Planner:
             peer_dp_rank=params.ctx_dp_rank,
             first_block=request.reused_blocks,
             stage_bytes=self._stage_bytes(ctx_state),
-            direct_min_run_bytes=ipc_path.min_run_bytes(  # issue 33 hook
+            direct_min_run_bytes=ipc_path.min_run_bytes(  # (shorter runs from peers whose rows are gathered)
                 side.agent, ctx_state, params.layerwise, self._direct_min_run_bytes
             ),
             layerwise=params.layerwise,
@@ -88,7 +88,7 @@ class Planner:
             ]
         for pull in incoming.pulls:
             if pull.read.expected_readers:
-                ipc = ipc_path.label(self._side.agent, pull.rank, pull.read) if incoming.fast else ""  # issue 33 hook
+                ipc = ipc_path.label(self._side.agent, pull.rank, pull.read) if incoming.fast else ""
                 self._side.metrics.count_path(ipc + path_of(pull.read, layerwise))
 
     def local_blocks(self, request_id: int) -> np.ndarray:
@@ -114,7 +114,7 @@ class Planner:
     def _folded(self, read: PeerRead, rank: RankCommInfo) -> PeerRead:
         """A direct KV part as explicit rows where that posts fewer descriptors (``nixl_kv.runs``: adjacent blocks
         on both sides merge), and read with the state after it: each READ costs a confirmation round trip."""
-        gathers = ipc_path.offer(self._side.agent, rank)  # issue 33 hook: a same-host peer's rows are gathered
+        gathers = ipc_path.offer(self._side.agent, rank)  # a same-host peer's rows are gathered (``ipc_path``)
         if read.local_indices is None:
             return read
         local, remote = self._side.cache.layout, rank.layout
