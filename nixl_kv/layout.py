@@ -164,7 +164,7 @@ class KVLayout:
 
     def block_stride(self, coarse: bool) -> int:
         """How far a unit's descriptor index moves when its block id grows by one: every index of
-        ``segment_indices``/``unit_indices`` is affine in its block id (``nixl_kv.plan_cache`` relies on it)."""
+        ``segment_indices``/``unit_indices`` is affine in its block id (``nixl_kv.gen.plan_cache`` relies on it)."""
         if coarse or self.kind is LayoutKind.PER_LAYER_NHD:
             return 1
         if self.kind is LayoutKind.BLOCK_MAJOR:

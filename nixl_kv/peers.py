@@ -19,7 +19,7 @@ instances that come and go (or die) does not accumulate remote agents. A newly l
 (UCX would otherwise connect at the first READ).
 
 A peer whose READs outlive their requests, or whose connection broke, is held back (``hold_back``: no new READ is
-posted to it) and, once no request still reads from it, closed (``close_peer``, see ``nixl_kv.stuck``); the next
+posted to it) and, once no request still reads from it, closed (``close_peer``, see ``nixl_kv.gen.stuck``); the next
 request that needs the peer loads it again from its params.
 """
 

@@ -22,7 +22,9 @@ from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.comm import CacheTransceiverComm, SingleProcessComm
 from nixl_kv.config import DIRECT_MIN_RUN_BYTES, ENV_PREFIX, CacheTransceiverConfig
+from nixl_kv.ctx.sender import CacheSender, SenderContext
 from nixl_kv.errors import IncompatibleStateError, NotSupportedError, WireFormatError
+from nixl_kv.gen.receiver import CacheReceiver
 from nixl_kv.holds import KEY_BYTES, HoldBoard, LandingRing, clock_domain
 from nixl_kv.layout import KVLayout, RnnLayout
 from nixl_kv.loop import ProgressLoop
@@ -31,11 +33,9 @@ from nixl_kv.params import ParamsMaker
 from nixl_kv.peers import PeerDirectory
 from nixl_kv.pool_checks import check_indexer_pools, check_kv_pools, check_rnn_pools
 from nixl_kv.progress import ContextProgress
-from nixl_kv.receiver import CacheReceiver
 from nixl_kv.registry import agent_class, agent_names, formatter_class
 from nixl_kv.requests import RequestState, RequestStatuses, TransferRequest
 from nixl_kv.rnn import check_split, rnn_share
-from nixl_kv.sender import CacheSender, SenderContext
 from nixl_kv.state import CacheState, CommState, DataTransceiverState, RankCommInfo
 from nixl_kv.status import SideRules, TransferTracker, outcome_by_deadline
 from nixl_kv.topology import position

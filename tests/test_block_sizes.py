@@ -21,10 +21,10 @@ from nixl_kv.cache import PagedKVCache
 from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.formatters.mla import MLAFormatter
 from nixl_kv.formatters.standard import StandardFormatter
+from nixl_kv.gen.plan_cache import PlanCache
 from nixl_kv.harness.fill import expected
 from nixl_kv.interfaces import Box, PeerRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
-from nixl_kv.plan_cache import PlanCache
 from nixl_kv.progress import ContextProgress
 from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.state import AttentionType, CacheState, CommState, DataTransceiverState, ParallelConfig, RankCommInfo

@@ -10,9 +10,9 @@ import pytest
 from nixl_kv.dtypes import DataType
 from nixl_kv.errors import IncompatibleStateError
 from nixl_kv.formatters.standard import StandardFormatter
+from nixl_kv.gen.plan_cache import PlanCache
 from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
 from nixl_kv.layout import KVLayout, LayoutKind, MemoryKind, MemoryRegion
-from nixl_kv.plan_cache import PlanCache
 from nixl_kv.state import CacheState, CommState, DataTransceiverState, ModelConfig, ParallelConfig, RankCommInfo
 from nixl_kv.topology import cp_block_range, share
 

@@ -18,16 +18,16 @@ import time
 from nixl_kv.errors import BufferExhaustedError, NixlKvError, TransferError
 from nixl_kv.gen import finish, gather
 from nixl_kv.gen.plan import Planner
+from nixl_kv.gen.poll_queue import PollQueue
 from nixl_kv.gen.prove import Prove
 from nixl_kv.gen.pull import Pull, Step
 from nixl_kv.gen.reads import LONG_RUN_BYTES, Reads, give_up_at, start_by, too_late_to_start, why_expired
 from nixl_kv.gen.side import GenSide, Incoming, proven_answer
+from nixl_kv.gen.stuck import RequestKey
 from nixl_kv.interfaces import PeerRead, TransferStatus
 from nixl_kv.loop import IDLE_WAIT_S
 from nixl_kv.peers import BOARD, kv_list
-from nixl_kv.poll_queue import PollQueue
 from nixl_kv.protocol import NoReaders, ReadVerdict
-from nixl_kv.stuck import RequestKey
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from nixl_kv.buffers import StagingSlot
 from nixl_kv.errors import AgentError, TransferError
 from nixl_kv.gen.pull import IN_TRANSFER, Step
 from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.gen.stuck import StuckRead
 from nixl_kv.interfaces import TransferStatus
 from nixl_kv.state import RankCommInfo
-from nixl_kv.stuck import StuckRead
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ import numpy as np
 
 from nixl_kv import ipc_path
 from nixl_kv.errors import NotSupportedError, TransferError
+from nixl_kv.gen.plan_cache import PlanCache
 from nixl_kv.gen.pull import Pull, Step, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.holds import hold_token, promise_mask, unmask_promise
 from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
-from nixl_kv.plan_cache import PlanCache
 from nixl_kv.ranges import coalesce
 from nixl_kv.requests import TransferRequest
 from nixl_kv.runs import MIN_SAVED, coalesced_rows

@@ -21,9 +21,9 @@ from nixl_kv.errors import AgentError
 from nixl_kv.gen.pull import Pull, Step
 from nixl_kv.gen.reads import Reads
 from nixl_kv.gen.side import GenSide, Incoming
+from nixl_kv.gen.stuck import RequestKey
 from nixl_kv.holds import promise_mask, promised_until, shows_token
 from nixl_kv.interfaces import TransferStatus
-from nixl_kv.stuck import RequestKey
 
 log = logging.getLogger(__name__)
 

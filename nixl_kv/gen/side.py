@@ -14,6 +14,7 @@ from nixl_kv.buffers import CacheTransBufferManager
 from nixl_kv.cache import CacheManager
 from nixl_kv.control import Control
 from nixl_kv.gen.pull import Pull
+from nixl_kv.gen.stuck import RequestKey, StuckReads
 from nixl_kv.holds import LandingRing
 from nixl_kv.interfaces import Formatter, ReadRequest, TransferAgent
 from nixl_kv.loop import ProgressLoop
@@ -22,7 +23,6 @@ from nixl_kv.peers import PeerDirectory
 from nixl_kv.protocol import ReadDone, ReadVerdict, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import ContextPhaseParams, DataTransceiverState
-from nixl_kv.stuck import RequestKey, StuckReads
 
 log = logging.getLogger(__name__)
 

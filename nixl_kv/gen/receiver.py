@@ -28,6 +28,7 @@ from nixl_kv.gen.prove import Prove
 from nixl_kv.gen.reads import Reads
 from nixl_kv.gen.side import GenSide, Incoming, Requests
 from nixl_kv.gen.stepped import SteppedPulls
+from nixl_kv.gen.stuck import StuckReads
 from nixl_kv.holds import BOARD_SLOTS, LandingRing, board_slots
 from nixl_kv.interfaces import Formatter
 from nixl_kv.loop import ProgressLoop, Tick
@@ -36,7 +37,6 @@ from nixl_kv.peers import BOARD, PEER_SWEEP_S, PeerDirectory, kv_list
 from nixl_kv.protocol import LayersReady, ReadVerdict, StageGrant
 from nixl_kv.requests import TransferRequest
 from nixl_kv.state import DataTransceiverState
-from nixl_kv.stuck import StuckReads
 from nixl_kv.views import pool_views
 
 log = logging.getLogger(__name__)
