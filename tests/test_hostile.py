@@ -99,7 +99,8 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
 
     pair = pair_factory()
     ctx_agent, gen_agent = pair.ctx.transceiver._agent, pair.gen.transceiver._agent
-    secret = _secret(pair.prefill(1, 40))
+    ctx_request = pair.prefill(1, 40)
+    secret = _secret(ctx_request)
     instance = pair.ctx.transceiver.instance_id
     gen_agent.load_remote(ctx_agent.metadata(), ctx_agent.name)
     strangers = [NixlAgent(f"stranger-{i}") for i in range(40)]
@@ -110,7 +111,8 @@ def test_notifications_carrying_another_agents_metadata_load_nothing(pair_factor
         # then a real one: notifications from one sender arrive in order, so once it ends request 1 all were seen
         done = prove(ReadDone(instance, 1, 99, gen_agent.metadata(), 1), secret, gen_agent.name)
         gen_agent.notify(ctx_agent.name, wire.encode(done))
-        assert pair.ctx.transceiver.check_context_transfer_status(None).completed_request_ids == {1}
+        statuses = pair.ctx.transceiver.check_context_transfer_status(None)
+        assert statuses.completed_request_ids == {1}, (statuses, ctx_request.error)
         assert not any(ctx_agent.has_remote(stranger.name) for stranger in strangers)
         assert ctx_agent.live_handles["remotes"] == 1  # the real reader alone
     finally:

@@ -252,9 +252,9 @@ class DirectPulls:
             agent.release_transfer(pull.handle)
             pull.handle = None
             side.peers.proven(pull.rank.agent_name)
-            pull.read_seen_ns = time.monotonic_ns()
-            pull.promised = pull.read_seen_ns < pull.promised_until_ns
-        if pull.early is not None and not self._prove.early_check_ended(incoming, pull):
+            pull.proof.read_seen_ns = time.monotonic_ns()
+            pull.proof.promised = pull.proof.read_seen_ns < pull.proof.promised_until_ns
+        if pull.proof.early is not None and not self._prove.early_check_ended(incoming, pull):
             return
         self._queue.pop(unit)
         if pull.step is Step.READ and pull.read.gathered:
@@ -269,7 +269,7 @@ class DirectPulls:
             self._reads.transport_check(
                 pull.rank.agent_name, pull.timed_bytes, pull.posted_at, pull.posts_before, time.monotonic()
             )
-            if pull.promised:
+            if pull.proof.promised:
                 self._prove.release_hold(incoming, pull)  # queued first: it goes out even if ending the request fails
                 self._done(incoming, pull)
                 return

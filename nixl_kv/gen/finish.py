@@ -40,11 +40,12 @@ def fail(side: GenSide, incoming: Incoming, reason: str) -> None:
     while it may land), staging slots and landing windows come back, and each ctx peer still counting on a read is
     told not to wait. The caller has already stopped advancing the pulls (under the lock of their path)."""
     for pull in incoming.pulls:
-        peer = pull.rank.agent_name
-        landing, pull.landing = pull.landing, None  # it belongs to the early check, or else the CHECK
-        if pull.early is not None:
-            abandon(side, incoming, pull.early, None, landing, reason, peer)
-            landing, pull.early = None, None
+        peer, proof, landing = pull.rank.agent_name, pull.proof, None
+        if proof is not None:
+            landing, proof.landing = proof.landing, None  # it belongs to the early check, or else the CHECK
+            if proof.early is not None:
+                abandon(side, incoming, proof.early, None, landing, reason, peer)
+                landing, proof.early = None, None
         if pull.handle is not None:
             abandon(side, incoming, pull.handle, pull.slot, landing, reason, peer)
             pull.handle, pull.slot = None, None  # the slot was released, or poisoned with the READ

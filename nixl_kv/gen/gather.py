@@ -18,7 +18,7 @@ def read_piece(side: GenSide, reads: Reads, incoming: Incoming, pull: Pull) -> i
     box = pull.read.pieces[pull.piece]
     ctx = incoming.ctx_state
     theirs = side.formatter.localize(
-        ctx.cache, pull.read.peer_rank, box, incoming.num_blocks, np.asarray(pull.peer_blocks)
+        ctx.cache, pull.read.peer_rank, box, incoming.num_blocks, np.asarray(pull.proof.peer_blocks)
     )
     layout, slot = pull.rank.layout, pull.slot.region
     segment = layout.segment_bytes

@@ -11,7 +11,7 @@ import numpy as np
 from nixl_kv import ipc_path
 from nixl_kv.errors import NotSupportedError, TransferError
 from nixl_kv.gen.plan_cache import PlanCache
-from nixl_kv.gen.pull import Pull, Step, direct_eligible
+from nixl_kv.gen.pull import Proof, Pull, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.holds import hold_token, promise_mask, unmask_promise
 from nixl_kv.interfaces import PeerRead, RangeRead, ReadRequest
@@ -79,7 +79,7 @@ class Planner:
             incoming.pulls = [self._direct_pull(read, params, ctx_state) for read in plan]
         else:
             incoming.pulls = [
-                Pull(
+                Pull.stepped_pull(
                     self._folded(read, ranks[read.peer_rank]) if not layerwise else read,
                     ranks[read.peer_rank],
                     layerwise=layerwise and read.has_kv,
@@ -147,12 +147,12 @@ class Planner:
         token = hold_token(ctx_state.hold_key, params.request_id, params.num_tokens, blocks, params.rnn_slot)
         folded = self._folded(read, rank)
         transfer_id = next(self._side.transfer_ids)
-        pull = Pull(folded, rank, transfer_id, token, fast=True, step=Step.READ, peer_blocks=blocks)
+        proof = Proof(token, peer_blocks=blocks)
         if read.peer_rank == params.ctx_rank and self._side.on_our_clock(rank.clock_domain):  # its promise, if any
-            pull.made_params = True
+            proof.made_params = True
             mask = promise_mask(ctx_state.hold_key, token)
-            pull.promised_until_ns = unmask_promise(params.masked_promise, mask, time.monotonic_ns())
-        return pull
+            proof.promised_until_ns = unmask_promise(params.masked_promise, mask, time.monotonic_ns())
+        return Pull.fast_pull(folded, rank, transfer_id, proof)
 
     def _stage_bytes(self, ctx_state: DataTransceiverState) -> int:
         ctx_slots = [rank.slot_bytes for rank in ctx_state.comm.ranks if rank.staging is not None]

@@ -53,37 +53,43 @@ class Prove:
         """READ the hold's board window now, beside the KV READ, from a peer on our clock, for READs short enough
         to end within a promise (a longer one gains little and would outlive it); ``queued``: pulls in flight."""
         side = self._side
-        if pull.made_params or not side.on_our_clock(pull.rank.clock_domain):
+        if pull.proof.made_params or not side.on_our_clock(pull.rank.clock_domain):
             return  # the params told its promise (the board would say no more), or a clock we cannot compare
         if pull.nbytes > EARLY_CHECK_SECONDS * side.spin_gbps * 1e9 or queued >= EARLY_CHECK_QUEUE:
             return  # a long READ, or one queued behind a burst: it would be seen done too late to gain
-        pull.landing = side.landing.take()
-        if pull.landing is not None:  # else every window is in use: the check after the READ will do
-            pull.early = self.read_board(pull, b"")
+        pull.proof.landing = side.landing.take()
+        if pull.proof.landing is not None:  # else every window is in use: the check after the READ will do
+            pull.proof.early = self.read_board(pull, b"")
 
     def early_check_ended(self, incoming: Incoming, pull: Pull) -> bool:
         """Once the board READ beside the KV READ is over: was the hold there, promised past the KV READ?"""
         agent, landing = self._side.agent, self._side.landing
-        status = agent.status(pull.early)
+        status = agent.status(pull.proof.early)
         if status is TransferStatus.IN_PROGRESS:
             return False
-        agent.release_transfer(pull.early)
-        pull.early = None
+        agent.release_transfer(pull.proof.early)
+        pull.proof.early = None
         if status is TransferStatus.DONE:
-            mask = promise_mask(incoming.ctx_state.hold_key, pull.token)
-            until = promised_until(landing.window(pull.landing), pull.token, mask, time.monotonic_ns())
-            pull.promised = bool(until) and pull.read_seen_ns < until
-        landing.give(pull.landing)
-        pull.landing = None
+            mask = promise_mask(incoming.ctx_state.hold_key, pull.proof.token)
+            until = promised_until(landing.window(pull.proof.landing), pull.proof.token, mask, time.monotonic_ns())
+            pull.proof.promised = bool(until) and pull.proof.read_seen_ns < until
+        landing.give(pull.proof.landing)
+        pull.proof.landing = None
         return True
 
     def post_check(self, incoming: Incoming, pull: Pull) -> bool:
         """READ the peer's hold board, the ReadDone riding on it (CHECK: True); with no free window, send the
         ReadDone and ask for a verdict instead (False)."""
-        pull.landing = self._side.landing.take()
-        checks_hold = pull.landing is not None
+        pull.proof.landing = self._side.landing.take()
+        checks_hold = pull.proof.landing is not None
         notification = self._side.read_done(
-            incoming.key, incoming.secret, pull.transfer_id, pull.read.expected_readers, True, checks_hold, pull.token
+            incoming.key,
+            incoming.secret,
+            pull.transfer_id,
+            pull.read.expected_readers,
+            True,
+            checks_hold,
+            pull.proof.token,
         )
         if not checks_hold:
             self._side.agent.notify(pull.rank.agent_name, notification)
@@ -95,15 +101,15 @@ class Prove:
     def check_ended(self, pull: Pull) -> bool:
         """The CHECK READ finished: whether the hold token was on the board."""
         landing = self._side.landing
-        held = shows_token(landing.window(pull.landing), pull.token)
-        landing.give(pull.landing)
-        pull.landing = None
+        held = shows_token(landing.window(pull.proof.landing), pull.proof.token)
+        landing.give(pull.proof.landing)
+        pull.proof.landing = None
         return held
 
     def read_board(self, pull: Pull, notification: bytes) -> Any:
         """READ the hold's board window of the peer into the pull's landing window."""
         side = self._side
-        landing = np.array([pull.landing], dtype=np.int32)
+        landing = np.array([pull.proof.landing], dtype=np.int32)
         board = side.peers.board(pull.rank)
         return self._reads.to_peer(
             pull.rank, side.agent.read, side.windows, landing, board, pull.board_index, notification
@@ -115,7 +121,12 @@ class Prove:
         (2 ms): woken for it, it would take the GIL from the caller just as the caller returns."""
         read = pull.read
         notice = ReleaseNotice(
-            pull.rank.agent_name, incoming.key, pull.transfer_id, read.expected_readers, pull.token, incoming.secret
+            pull.rank.agent_name,
+            incoming.key,
+            pull.transfer_id,
+            read.expected_readers,
+            pull.proof.token,
+            incoming.secret,
         )
         self._notices.append(notice)
 

@@ -58,37 +58,25 @@ IN_TRANSFER = (Step.CLAIM, Step.READ, Step.CHECK, Step.VERDICT)  # a transfer id
 
 
 @dataclass
-class Pull:
-    """One gen rank's pull of one request from one ctx rank; ``step`` says where it is, whatever its path.
+class Proof:
+    """A fast pull's proof that the peer still held the blocks when its READ finished: the params' promise, or the
+    hold board read beside (``early``, same-host peers) or after the KV READ."""
 
-    ``fast`` pulls (``direct_eligible``) read everything in one READ (or gathered pieces) and are proven by the
-    peer's promise or hold board; the others read step by step (``plan``: the whole slice, or for layer-wise requests
-    the layers that were ready when it was planned), each READ carrying its ``ReadDone`` and proven by a verdict."""
-
-    read: PeerRead  # all this rank reads from the peer (its state folded into the KV READ unless layer-wise)
-    rank: RankCommInfo
-    transfer_id: int = 0  # the READ or claim in progress (stepped pulls take a new one for each)
-    token: int = 0  # the request's hold token on the peer's board (fast pulls)
-    fast: bool = False
-    step: Step = Step.CONNECT
-    waiting_since: float = 0.0  # when it began to wait for its peer (CONNECT): a loading failure after it ends it
-    handle: Any = None
-    verdict: str | None = None  # None until the peer answers about ``transfer_id``; "" means ok
-    posted_at: float = 0.0
-    posts_before: int = 0  # the receiver's READ count when it was posted (the transport check)
-    timed_bytes: int = 0  # > 0 when this READ measures the transport
-    slot: StagingSlot | None = None  # the staging slot pieces land in
-    piece: int = 0  # the piece being read (gathered: of ``read``; staged: of ``plan``)
-    # fast pulls: the proof
-    early: Any = None  # the board READ posted beside the KV READ (same-host peers); it lands in ``landing``
+    token: int = 0  # the request's hold token on the peer's board
+    early: Any = None  # the board READ posted beside the KV READ; it lands in ``landing``
     landing: int | None = None  # the landing window of the hold check
     read_seen_ns: int = 0  # when the KV READ was seen finished (CLOCK_MONOTONIC)
     made_params: bool = False  # this peer made the params and shares our clock: its promise came in them
     promised_until_ns: int = 0  # that promise (0: none, or not one made for these params)
     promised: bool = False  # a promise (the params' or the early check's) ran past ``read_seen_ns``
     peer_blocks: tuple[int, ...] = ()  # the ctx rank's block ids of the request (gathered reads)
-    # stepped pulls: what is left to read
-    plan: PeerRead | None = None
+
+
+@dataclass
+class Steps:
+    """A stepped pull's progress: what is left to read, and its exchange with the peer."""
+
+    plan: PeerRead | None = None  # the part being read (None: the next one is still to be planned)
     kv_left: bool = True  # the KV part is still to be read; ``read.state`` is read after it
     grant: StageGrant | None = None  # the answer to the claim of ``transfer_id``
     retry_at: float = 0.0
@@ -98,12 +86,47 @@ class Pull:
     ready_below: int = 0
     planned_below: int = 0
 
-    def __post_init__(self) -> None:
-        self.kv_left = self.read.has_kv
-        if self.layerwise:
-            self.planned_below = self.read.layers.start
-        elif self.kv_left and not self.fast:
-            self.plan = self.read
+
+@dataclass
+class Pull:
+    """One gen rank's pull of one request from one ctx rank; ``step`` says where it is, whatever its path.
+
+    Fast pulls (``direct_eligible``: ``proof`` set) read everything in one READ (or gathered pieces) and are proven by
+    the peer's promise or hold board; the others (``steps`` set) read step by step (``plan``: the whole slice, or for
+    layer-wise requests the layers that were ready when it was planned), each READ carrying its ``ReadDone`` and
+    proven by a verdict. What every pull has is here; what only one kind has is in its ``Proof`` or ``Steps``."""
+
+    read: PeerRead  # all this rank reads from the peer (its state folded into the KV READ unless layer-wise)
+    rank: RankCommInfo
+    transfer_id: int = 0  # the READ or claim in progress (stepped pulls take a new one for each)
+    step: Step = Step.CONNECT
+    proof: Proof | None = None  # fast pulls
+    steps: Steps | None = None  # stepped pulls
+    waiting_since: float = 0.0  # when it began to wait for its peer (CONNECT): a loading failure after it ends it
+    handle: Any = None
+    verdict: str | None = None  # None until the peer answers about ``transfer_id``; "" means ok
+    posted_at: float = 0.0
+    posts_before: int = 0  # the receiver's READ count when it was posted (the transport check)
+    timed_bytes: int = 0  # > 0 when this READ measures the transport
+    slot: StagingSlot | None = None  # the staging slot pieces land in
+    piece: int = 0  # the piece being read (gathered: of ``read``; staged: of ``steps.plan``)
+
+    @classmethod
+    def fast_pull(cls, read: PeerRead, rank: RankCommInfo, transfer_id: int, proof: Proof) -> Pull:
+        return cls(read, rank, transfer_id, Step.READ, proof=proof)
+
+    @classmethod
+    def stepped_pull(cls, read: PeerRead, rank: RankCommInfo, layerwise: bool) -> Pull:
+        steps = Steps(kv_left=read.has_kv, layerwise=layerwise)
+        if layerwise:
+            steps.planned_below = read.layers.start
+        elif steps.kv_left:
+            steps.plan = read
+        return cls(read, rank, steps=steps)
+
+    @property
+    def fast(self) -> bool:
+        return self.proof is not None
 
     @property
     def nbytes(self) -> int:
@@ -111,19 +134,21 @@ class Pull:
 
     @property
     def board_index(self) -> np.ndarray:
-        return np.array([window_start(self.token, board_slots(self.rank.board))], dtype=np.int32)
+        token = self.proof.token if self.proof is not None else 0  # (only fast pulls read the board)
+        return np.array([window_start(token, board_slots(self.rank.board))], dtype=np.int32)
 
     @property
     def engaged(self) -> bool:
         """It has posted to the peer and still has business with it (a READ or an answer in flight)."""
         if self.step is Step.DONE:
             return False
-        return self.step is not Step.CONNECT if self.fast else self.started
+        return self.step is not Step.CONNECT if self.steps is None else self.steps.started
 
     @property
     def reading_piece(self) -> bool:
         """The stepped READ in progress is of a staged piece."""
-        return self.kv_left and self.plan is not None and self.plan.staged
+        steps = self.steps
+        return steps is not None and steps.kv_left and steps.plan is not None and steps.plan.staged
 
     @property
     def final_kv_read(self) -> bool:
@@ -132,7 +157,8 @@ class Pull:
 
     @property
     def last_step(self) -> bool:
-        return not self.layerwise or self.planned_below >= self.read.layers.stop
+        steps = self.steps
+        return steps is None or not steps.layerwise or steps.planned_below >= self.read.layers.stop
 
 
 def direct_eligible(plan: list[PeerRead], ranks: tuple[RankCommInfo, ...], layerwise: bool) -> bool:

@@ -84,14 +84,14 @@ class SteppedPulls:
             raise TransferError(f"ctx side refused: {pull.rank.agent_name}: {pull.verdict}")
         self._by_transfer.pop(pull.transfer_id, None)
         pull.step = Step.CONNECT  # for the next READ, unless that was the last
-        if not pull.kv_left:  # the state was read: that was the last READ
+        if not pull.steps.kv_left:  # the state was read: that was the last READ
             pull.step = Step.DONE
             return
         pull.piece += 1
-        if not pull.plan.staged or pull.piece == len(pull.plan.pieces):
-            pull.plan, pull.piece = None, 0
+        if not pull.steps.plan.staged or pull.piece == len(pull.steps.plan.pieces):
+            pull.steps.plan, pull.piece = None, 0
             if pull.last_step:
-                pull.kv_left = False
+                pull.steps.kv_left = False
                 if pull.read.state is None:
                     pull.step = Step.DONE
 
@@ -99,12 +99,12 @@ class SteppedPulls:
         """Between READs: once the peer is ready (and for layer-wise requests, layers are), begin the next one."""
         if not self._peer_ready(incoming, pull):
             return
-        if not pull.started and too_late_to_start(incoming, now):
+        if not pull.steps.started and too_late_to_start(incoming, now):
             raise TransferError(f"{pull.rank.agent_name} was loaded too close to the deadline to start a READ")
-        if pull.kv_left and pull.plan is None and not self._next_layers(incoming, pull):
+        if pull.steps.kv_left and pull.steps.plan is None and not self._next_layers(incoming, pull):
             pull.step = Step.LAYERS
             return
-        if now >= pull.retry_at:
+        if now >= pull.steps.retry_at:
             self._begin(incoming, pull)
 
     def _peer_ready(self, incoming: Incoming, pull: Pull) -> bool:
@@ -117,27 +117,27 @@ class SteppedPulls:
 
     def _next_layers(self, incoming: Incoming, pull: Pull) -> bool:
         """Layer-wise: watch the peer, then plan the next group of ready layers; False while none is ready."""
-        if not pull.watching:
-            pull.started = True
+        if not pull.steps.watching:
+            pull.steps.started = True
             self._side.peers.connect(pull.rank)
             self._side.control.send(
                 pull.rank.agent_name, LayerWatch(*incoming.key, self._side.metadata), incoming.secret
             )
-            pull.watching = True
+            pull.steps.watching = True
             return False
-        upper = min(pull.ready_below, pull.read.layers.stop)
-        if upper <= pull.planned_below:
+        upper = min(pull.steps.ready_below, pull.read.layers.stop)
+        if upper <= pull.steps.planned_below:
             return False
         step = dataclasses.replace(
-            incoming.read_request, layers=range(pull.planned_below, upper), only_peer=pull.read.peer_rank
+            incoming.read_request, layers=range(pull.steps.planned_below, upper), only_peer=pull.read.peer_rank
         )
-        (pull.plan,) = self._side.formatter.plan(step)
-        pull.planned_below = upper
+        (pull.steps.plan,) = self._side.formatter.plan(step)
+        pull.steps.planned_below = upper
         return True
 
     def _begin(self, incoming: Incoming, pull: Pull) -> None:
         """Post the direct READ, claim the next staged piece, or tell an unneeded ctx rank it has no reader."""
-        pull.started = True
+        pull.steps.started = True
         if pull.read.expected_readers == 0:
             self._side.peers.connect(pull.rank)
             self._side.control.send(
@@ -145,8 +145,8 @@ class SteppedPulls:
             )
             pull.step = Step.DONE
             return
-        pull.transfer_id, pull.verdict, pull.grant = next(self._side.transfer_ids), None, None
-        if not pull.kv_left:
+        pull.transfer_id, pull.verdict, pull.steps.grant = next(self._side.transfer_ids), None, None
+        if not pull.steps.kv_left:
             state = pull.read.state
             self._side.peers.connect(pull.rank)
             pull.handle = self._reads.to_peer(
@@ -162,20 +162,20 @@ class SteppedPulls:
             long_runs = state.nbytes >= LONG_RUN_BYTES * len(state.local_rows)
             pull.timed_bytes = self._reads.measurable(pull.rank.agent_name, state.nbytes, long_runs)
             pull.posted_at, pull.posts_before = time.monotonic(), self._reads.posts
-        elif not pull.plan.staged:
-            coarse = pull.plan.coarse
+        elif not pull.steps.plan.staged:
+            coarse = pull.steps.plan.coarse
             remote = self._side.peers.descriptors(pull.rank, coarse)
             notification = self._read_done(incoming, pull, final=pull.final_kv_read)
             pull.handle = self._reads.to_peer(
                 pull.rank,
                 self._side.agent.read,
                 self._side.local[coarse],
-                pull.plan.local_indices,
+                pull.steps.plan.local_indices,
                 remote,
-                pull.plan.remote_indices,
+                pull.steps.plan.remote_indices,
                 notification,
             )
-            pull.timed_bytes = self._reads.measurable(pull.rank.agent_name, pull.plan.nbytes, coarse)
+            pull.timed_bytes = self._reads.measurable(pull.rank.agent_name, pull.steps.plan.nbytes, coarse)
             pull.posted_at, pull.posts_before = time.monotonic(), self._reads.posts
         else:
             if pull.slot is None:
@@ -183,10 +183,10 @@ class SteppedPulls:
                     # no lease: the receiver itself returns the slot (or poisons it) when the piece ends
                     pull.slot = self._side.staging.acquire(incoming.key, float("inf"), 1)
                 except BufferExhaustedError:
-                    pull.retry_at, pull.step = time.monotonic() + CLAIM_RETRY_S, Step.SLOT
+                    pull.steps.retry_at, pull.step = time.monotonic() + CLAIM_RETRY_S, Step.SLOT
                     return
             self._side.peers.connect(pull.rank)
-            box = pull.plan.pieces[pull.piece]
+            box = pull.steps.plan.pieces[pull.piece]
             claim = StageClaim(
                 ctx_instance_id=incoming.key[0],
                 request_id=incoming.key[1],
@@ -202,27 +202,27 @@ class SteppedPulls:
         self._by_transfer[pull.transfer_id] = (incoming, pull)
 
     def _on_granted(self, incoming: Incoming, pull: Pull, now: float) -> None:
-        grant = pull.grant
+        grant = pull.steps.grant
         if grant is None:
             return
         if not grant.ok:
             if not grant.retry:
                 raise TransferError(f"ctx side refused to stage: {pull.rank.agent_name}: {grant.reason}")
             self._by_transfer.pop(pull.transfer_id, None)
-            pull.step, pull.retry_at = Step.SLOT, now + CLAIM_RETRY_S
+            pull.step, pull.steps.retry_at = Step.SLOT, now + CLAIM_RETRY_S
             return
         staging = pull.rank.staging
         if staging is None or not (
             staging.address <= grant.address and grant.address + grant.nbytes <= staging.address + staging.nbytes
         ):
             raise TransferError(f"{pull.rank.agent_name} granted memory outside its staging buffer")
-        box_bytes = self._side.formatter.box_bytes(self._side.self_state.cache, pull.plan.pieces[pull.piece])
+        box_bytes = self._side.formatter.box_bytes(self._side.self_state.cache, pull.steps.plan.pieces[pull.piece])
         if grant.nbytes != box_bytes or grant.nbytes > pull.slot.region.nbytes:
             raise TransferError(
                 f"{pull.rank.agent_name} granted {grant.nbytes} bytes for a {box_bytes}-byte box "
                 f"(local slot {pull.slot.region.nbytes} bytes)"
             )
-        last = pull.final_kv_read and pull.piece == len(pull.plan.pieces) - 1
+        last = pull.final_kv_read and pull.piece == len(pull.steps.plan.pieces) - 1
         notification = self._read_done(incoming, pull, final=last)
         slot = pull.slot.region
         pull.timed_bytes = self._reads.measurable(pull.rank.agent_name, grant.nbytes, True)
@@ -240,7 +240,7 @@ class SteppedPulls:
         pull.step = Step.READ
 
     def _unpack(self, incoming: Incoming, pull: Pull) -> None:
-        box = pull.plan.pieces[pull.piece]
+        box = pull.steps.plan.pieces[pull.piece]
         blocks = np.asarray(self._side.cache.block_ids(incoming.request.request_id))
         local = self._side.formatter.localize(
             self._side.self_state.cache, self._side.self_rank, box, incoming.num_blocks, blocks
@@ -261,8 +261,8 @@ class SteppedPulls:
 
     def on_grant(self, sender: str, grant: StageGrant) -> None:
         pull = self._owner(sender, grant)
-        if pull is not None and pull.grant is None:  # the first answer to a claim is the answer
-            pull.grant = grant
+        if pull is not None and pull.steps.grant is None:  # the first answer to a claim is the answer
+            pull.steps.grant = grant
 
     def on_layers_ready(self, sender: str, message: LayersReady) -> None:
         incoming = self._side.requests.get((message.ctx_instance_id, message.request_id))
@@ -270,7 +270,7 @@ class SteppedPulls:
             return
         for pull in incoming.pulls:
             if pull.rank.agent_name == sender:
-                pull.ready_below = max(pull.ready_below, message.ready_below)
+                pull.steps.ready_below = max(pull.steps.ready_below, message.ready_below)
 
     def _owner(self, sender: str, message: ReadVerdict | StageGrant) -> Pull | None:
         """The pull whose transfer in progress the (proven) answer is about; None (dropped) otherwise."""
