@@ -21,7 +21,7 @@ from typing import Any
 from nixl_kv import wire
 from nixl_kv.errors import WireFormatError
 from nixl_kv.params import ParamsMaker
-from nixl_kv.params_seal import is_sealed, prompt_digest
+from nixl_kv.params_seal import params_problem, prompt_digest
 from nixl_kv.state import ContextPhaseParams
 from nixl_kv.vllm.groups import CacheGroups
 from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
@@ -101,6 +101,7 @@ class SchedulerSide:
                 block_ids=tuple(self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]),
                 reused_blocks=(loaded - num_external_tokens) // self._block_size,
                 slot=slot,
+                num_tokens=loaded,
             )
         )
         self._loading.add(request.request_id)
@@ -186,14 +187,15 @@ class SchedulerSide:
 
 def _refusal(encoded: object, prompt: list[int] | None) -> str | None:
     """Why these params cannot be pulled for this prompt (None: they can): checked before anything is allocated."""
-    if not isinstance(encoded, str) or len(encoded) > 16 << 20:
+    if not isinstance(encoded, str):
         return f"{PARAMS_KEY} must be a base64 string"
     try:
         data = base64.b64decode(encoded, validate=True)
     except ValueError:
         return f"{PARAMS_KEY} is not base64"
-    if not is_sealed(data):
-        return f"{PARAMS_KEY} fail their checksum"
+    problem = params_problem(data)  # the one rule a gen applies (too long, damaged): the same words
+    if problem:
+        return f"{PARAMS_KEY} {problem}"
     try:
         params = wire.decode(data, ContextPhaseParams)
     except WireFormatError as exc:
