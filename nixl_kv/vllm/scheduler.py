@@ -93,13 +93,16 @@ class SchedulerSide:
         except ValueError as exc:  # vLLM computes the prompt here: report the (empty) load as failed
             log.warning("nixl_kv: request %s computes its prompt here: %s", request.request_id, exc)
             return
+        kv_blocks = self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]
+        # held here already: the prefix cache's, and a sliding window's null blocks (nothing is kept before it)
+        reused = max((loaded - num_external_tokens) // self._block_size, self._groups.leading_nulls(kv_blocks))
         self._step.receive.append(
             Receive(
                 request_id=next(self._ids),
                 vllm_id=request.request_id,
                 params=base64.b64decode(params[PARAMS_KEY]),
-                block_ids=tuple(self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]),
-                reused_blocks=(loaded - num_external_tokens) // self._block_size,
+                block_ids=tuple(kv_blocks),
+                reused_blocks=reused,
                 slot=slot,
                 num_tokens=loaded,
             )

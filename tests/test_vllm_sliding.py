@@ -1,0 +1,70 @@
+"""A sliding-window model (the llama checkpoint with a 96-token window in every layer, Mistral-like: ``llama_sw``)
+through NixlKvConnector inside real vLLM, its hybrid KV cache manager on: one sliding-window KV cache group, whose
+blocks wholly before the window of the prompt's last token are vLLM's null block on the decode instance and do not
+move. Every output must equal vLLM's own for the same request without a pull.
+
+One module-scoped pair (a prefill and a decode instance). The reference tokens are the decode instance's own for
+the request without ``kv_transfer_params`` (vLLM's aggregated path: the connector matches nothing), one server fewer
+to start on 2 cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nixl_kv.vllm.client import prompt_of
+from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance, VllmServers, make_model
+from tests.test_vllm import (
+    PYTHON,
+    TRANSFER_TIMEOUT_MS,
+    Pair,
+    counters,
+    decode_with,
+    prefilled_params,
+    why_not_pulled,
+)
+
+pytestmark = pytest.mark.vllm
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if not Path(PYTHON).exists():
+        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
+    model = make_model(tmp_path_factory.mktemp("vllm") / "sliding", python=PYTHON, kind="llama_sw")
+    decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
+    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
+        prefill = servers.start(Instance("kv_producer"), "prefill")
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
+        victim = servers.start(Instance("kv_producer", block_size=64), "prefill-64")
+        servers.wait()
+        with httpx.Client(timeout=120) as client:
+            yield Pair(prefill, decode, decode, decode, victim, decode, client)
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_for_a_sliding_window(pair: Pair) -> None:
+    for server in (pair.prefill, pair.decode, pair.victim):
+        assert server.log.read_text().count(HMA_OFF) == 0, server.role
+
+
+# within the window, one token past it, and many blocks past it (those are null on the decode and do not move)
+@pytest.mark.parametrize("length", [33, SLIDING_WINDOW + 1, 257, 1000])
+def test_the_sliding_window_pair_decodes_what_vllm_decodes_alone(pair: Pair, length: int) -> None:
+    prompt = prompt_of(length, seed=31)
+    expected = pair.expected(prompt)
+    received, failed = counters(pair, pair.decode)
+    assert decode_with(pair, prompt, prefilled_params(pair, pair.prefill, prompt)) == (200, expected)
+    assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)  # pulled
+
+
+def test_a_prefill_of_larger_blocks_into_the_window(pair: Pair) -> None:
+    prompt = prompt_of(300, seed=32)
+    expected = pair.expected(prompt)
+    received, failed = counters(pair, pair.decode)
+    assert decode_with(pair, prompt, prefilled_params(pair, pair.victim, prompt)) == (200, expected)
+    assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)
