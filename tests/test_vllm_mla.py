@@ -6,20 +6,18 @@ compared with aggregated vLLM's here (on a GPU they would be); what the connecto
 decode received is the prefill's, byte for byte (``kv_digest_file``), and without ``allow_cpu_mla`` the model is
 refused by name at start.
 
-One module-scoped pair (a prefill and a decode instance, both ``allow_cpu_mla``) and a third server started without
-it, which must exit at start.
+One module-scoped pair (a prefill and a decode instance, both ``allow_cpu_mla``).
 """
 
 from __future__ import annotations
 
-import time
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from nixl_kv.serving.launcher import Server
 from nixl_kv.vllm.client import prompt_of
 from nixl_kv.vllm.launch import Instance, VllmServers, make_model
 from tests.test_vllm import (
@@ -38,7 +36,7 @@ REFUSED = "MLA on vLLM's CPU build is refused"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pair, Server]]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if not Path(PYTHON).exists():
         pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
     model = make_model(tmp_path_factory.mktemp("vllm") / "mla", python=PYTHON, kind="deepseek_mla")
@@ -48,31 +46,28 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pair, Se
         return (("allow_cpu_mla", True), ("kv_digest_file", str(files / f"{name}.jsonl")))
 
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS), *config("decode"))
-    with VllmServers(model, python=PYTHON, max_model_len=2048) as group:
-        refused = group.start(Instance("kv_consumer"), "refused")
-        group.servers.remove(refused)  # not waited for: it must exit at start (stopped below all the same)
-        try:
-            prefill = group.start(Instance("kv_producer", extra_config=config("prefill")), "prefill")
-            decode = group.start(Instance("kv_consumer", extra_config=decode_config), "decode")
-            group.wait()
-            with httpx.Client(timeout=120) as client:
-                yield Pair(prefill, decode, decode, decode, prefill, decode, client, files), refused
-        finally:
-            refused.stop()
+    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
+        prefill = servers.start(Instance("kv_producer", extra_config=config("prefill")), "prefill")
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
+        servers.wait()
+        with httpx.Client(timeout=120) as client:
+            yield Pair(prefill, decode, decode, decode, prefill, decode, client, files)
 
 
-def test_vllm_cpu_mla_is_refused_by_name_without_allow_cpu_mla(servers: tuple[Pair, Server]) -> None:
-    _, refused = servers
-    deadline = time.monotonic() + 120  # the others are up: its engine had the same time to start
-    while refused.process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert refused.process.poll() is not None, "started although MLA on the CPU build needs allow_cpu_mla"
-    assert REFUSED in refused.log.read_text(errors="replace")
+def test_vllm_cpu_mla_is_refused_by_name_without_allow_cpu_mla() -> None:
+    """The connector's check as vLLM's CPU build runs it (no server: the check is the same at every start)."""
+    code = (
+        "from nixl_kv.vllm.connector import _check_cpu_mla; from nixl_kv.vllm.groups import CacheGroups\n"
+        "_check_cpu_mla(CacheGroups(block_size=16, mla=True), allowed=True)\n"
+        "_check_cpu_mla(CacheGroups(block_size=16), allowed=False)\n"
+        "_check_cpu_mla(CacheGroups(block_size=16, mla=True), allowed=False)"
+    )
+    result = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "NotSupportedError: nixl_kv.vllm: " + REFUSED in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("length", [2, 33, 257, 1000])
-def test_the_decode_receives_the_prefills_latent_cache_byte_for_byte(servers: tuple[Pair, Server], length: int) -> None:
-    pair, _ = servers
+def test_the_decode_receives_the_prefills_latent_cache_byte_for_byte(pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=21)
     received, failed = counters(pair, pair.decode)
     params = prefilled_params(pair, pair.prefill, prompt)
