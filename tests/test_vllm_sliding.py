@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nixl_kv.vllm.client import prompt_of
+from nixl_kv.vllm.client import prompt_of, scrape
 from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance, VllmServers, make_model
 from tests.test_vllm import (
     PYTHON,
@@ -30,6 +30,9 @@ from tests.test_vllm import (
 
 pytestmark = pytest.mark.vllm
 HMA_OFF = "Turning off hybrid kv cache manager"
+BYTES = "vllm:nixl_kv_transfer_bytes_total"
+BLOCK = 32  # tokens a block (Instance's default)
+BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 4  # layers, kv heads, tokens, K and V, head dim, float32
 
 
 @pytest.fixture(scope="module")
@@ -57,5 +60,10 @@ def test_the_sliding_window_pair_decodes_what_vllm_decodes_alone(pair: Pair, len
     prompt = prompt_of(length, seed=31)
     expected = pair.expected(prompt)
     received, failed = counters(pair, pair.decode)
+    moved = scrape(pair.client, pair.decode.url).get(BYTES, 0.0)
     assert decode_with(pair, prompt, prefilled_params(pair, pair.prefill, prompt)) == (200, expected)
     assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)  # pulled
+    # only the blocks from the window of the prompt's last token on: vLLM skips the tokens before it
+    skipped_blocks = max(0, length - SLIDING_WINDOW + 1) // BLOCK
+    moved = scrape(pair.client, pair.decode.url).get(BYTES, 0.0) - moved
+    assert moved == (-(-length // BLOCK) - skipped_blocks) * BLOCK_BYTES
