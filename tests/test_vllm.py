@@ -54,11 +54,16 @@ class Pair:
         return answer.tokens
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, kind: str = "llama") -> Path:
+    """The ``kind`` checkpoint in a folder of its own, written by the vLLM venv's transformers (there must be one)."""
     if not Path(PYTHON).exists():
         pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
-    model = make_model(tmp_path_factory.mktemp("vllm") / "model", python=PYTHON)
+    return make_model(tmp_path_factory.mktemp("vllm") / kind, python=PYTHON, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    model = checkpoint(tmp_path_factory)
     files = tmp_path_factory.mktemp("vllm-files")
 
     def digests(name: str) -> tuple[tuple[str, object], ...]:

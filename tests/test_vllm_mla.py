@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from nixl_kv.vllm.client import prompt_of
-from nixl_kv.vllm.launch import Instance, VllmServers, make_model
+from nixl_kv.vllm.launch import Instance, VllmServers
 from tests.test_vllm import (
     PYTHON,
     TRANSFER_TIMEOUT_MS,
     Pair,
+    checkpoint,
     counters,
     decode_with,
     last_digest,
@@ -37,9 +37,7 @@ REFUSED = "MLA on vLLM's CPU build is refused"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if not Path(PYTHON).exists():
-        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
-    model = make_model(tmp_path_factory.mktemp("vllm") / "mla", python=PYTHON, kind="deepseek_mla")
+    model = checkpoint(tmp_path_factory, "deepseek_mla")
     files = tmp_path_factory.mktemp("vllm-mla-files")
 
     def config(name: str) -> tuple[tuple[str, object], ...]:

@@ -11,25 +11,25 @@ to start on 2 cores.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from nixl_kv.vllm.client import prompt_of, scrape
-from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance, VllmServers, make_model
+from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance, VllmServers
 from tests.test_vllm import (
     PYTHON,
     TRANSFER_TIMEOUT_MS,
     Pair,
+    checkpoint,
     counters,
     decode_with,
     prefilled_params,
     why_not_pulled,
 )
+from tests.test_vllm_hybrid import HMA_OFF
 
 pytestmark = pytest.mark.vllm
-HMA_OFF = "Turning off hybrid kv cache manager"
 BYTES = "vllm:nixl_kv_transfer_bytes_total"
 BLOCK = 32  # tokens a block (Instance's default)
 BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 4  # layers, kv heads, tokens, K and V, head dim, float32
@@ -37,9 +37,7 @@ BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 4  # layers, kv heads, tokens, K and V, h
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if not Path(PYTHON).exists():
-        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
-    model = make_model(tmp_path_factory.mktemp("vllm") / "sliding", python=PYTHON, kind="llama_sw")
+    model = checkpoint(tmp_path_factory, "llama_sw")
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
         prefill = servers.start(Instance("kv_producer"), "prefill")
