@@ -3,9 +3,9 @@ through NixlKvConnector inside real vLLM, its hybrid KV cache manager on: one sl
 blocks wholly before the window of the prompt's last token are vLLM's null block on the decode instance and do not
 move. Every output must equal vLLM's own for the same request without a pull.
 
-One module-scoped pair (a prefill and a decode instance). The reference tokens are the decode instance's own for
-the request without ``kv_transfer_params`` (vLLM's aggregated path: the connector matches nothing), one server fewer
-to start on 2 cores.
+One module-scoped pair (a prefill and a decode instance, prefix caching off). The reference tokens are the decode
+instance's own for the request without ``kv_transfer_params`` (vLLM's aggregated path: the connector matches
+nothing), one server fewer to start on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from tests.test_vllm_hybrid import HMA_OFF
 
 pytestmark = pytest.mark.vllm
 BYTES = "vllm:nixl_kv_transfer_bytes_total"
+# the reference is the decode's own answer, which with its prefix cache on would leave the pull a block to move
+NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 BLOCK = 32  # tokens a block (Instance's default)
 BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 4  # layers, kv heads, tokens, K and V, head dim, float32
 
@@ -40,8 +42,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model = checkpoint(tmp_path_factory, "llama_sw")
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
-        prefill = servers.start(Instance("kv_producer"), "prefill")
-        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
+        prefill = servers.start(Instance("kv_producer", extra_args=NO_PREFIX_CACHE), "prefill")
+        decode = servers.start(Instance("kv_consumer", extra_config=decode_config, extra_args=NO_PREFIX_CACHE), "decode")
         servers.wait()
         with httpx.Client(timeout=120) as client:
             yield Pair(prefill, decode, decode, decode, prefill, decode, client)
