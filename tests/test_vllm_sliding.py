@@ -43,7 +43,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
         prefill = servers.start(Instance("kv_producer", extra_args=NO_PREFIX_CACHE), "prefill")
-        decode = servers.start(Instance("kv_consumer", extra_config=decode_config, extra_args=NO_PREFIX_CACHE), "decode")
+        decode_instance = Instance("kv_consumer", extra_config=decode_config, extra_args=NO_PREFIX_CACHE)
+        decode = servers.start(decode_instance, "decode")
         servers.wait()
         with httpx.Client(timeout=120) as client:
             yield Pair(prefill, decode, decode, decode, prefill, decode, client)
