@@ -1,7 +1,8 @@
 """A sliding-window model (the llama checkpoint with a 96-token window in every layer, Mistral-like: ``llama_sw``)
 through NixlKvConnector inside real vLLM, its hybrid KV cache manager on: one sliding-window KV cache group, whose
 blocks wholly before the window of the prompt's last token are vLLM's null block on the decode instance and do not
-move. Every output must equal vLLM's own for the same request without a pull.
+move; the decode computes the prompt's last token itself (``CacheGroups.backoff``). Every output must equal
+vLLM's own for the same request without a pull.
 
 One module-scoped pair (a prefill and a decode instance, prefix caching off). The reference tokens are the decode
 instance's own for the request without ``kv_transfer_params`` (vLLM's aggregated path: the connector matches
@@ -55,8 +56,9 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_for_a_sliding_window(pair: Pair)
         assert server.log.read_text().count(HMA_OFF) == 0, server.role
 
 
-# within the window, one token past it, and many blocks past it (those are null on the decode and do not move)
-@pytest.mark.parametrize("length", [33, SLIDING_WINDOW + 1, 257, 1000])
+# within the window, one token past it, many blocks past it (those are null on the decode and do not move), and
+# where the window's start falls at a block's end (window - 1 + 32: the decode's last token attends to a token there)
+@pytest.mark.parametrize("length", [33, SLIDING_WINDOW + 1, SLIDING_WINDOW - 1 + BLOCK, 257, 1000])
 def test_the_sliding_window_pair_decodes_what_vllm_decodes_alone(pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=31)
     expected = pair.expected(prompt)
@@ -64,7 +66,9 @@ def test_the_sliding_window_pair_decodes_what_vllm_decodes_alone(pair: Pair, len
     moved = scrape(pair.client, pair.decode.url).get(BYTES, 0.0)
     assert decode_with(pair, prompt, prefilled_params(pair, pair.prefill, prompt)) == (200, expected)
     assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)  # pulled
-    # only the blocks from the window of the prompt's last token on: vLLM skips the tokens before it
-    skipped_blocks = max(0, length - SLIDING_WINDOW + 1) // BLOCK
+    # all but the last token (the decode computes it), and of those only the blocks from the window of the last
+    # token on: vLLM skips the tokens before it
+    loaded = length - 1
+    skipped_blocks = max(0, loaded - SLIDING_WINDOW + 1) // BLOCK
     moved = scrape(pair.client, pair.decode.url).get(BYTES, 0.0) - moved
-    assert moved == (-(-length // BLOCK) - skipped_blocks) * BLOCK_BYTES
+    assert moved == (-(-loaded // BLOCK) - skipped_blocks) * BLOCK_BYTES

@@ -17,7 +17,7 @@ from typing import Any
 from nixl_kv.errors import NotSupportedError
 from nixl_kv.vllm.kv_layout import MambaShape
 
-MAMBA_BACKOFF = 1  # prompt tokens a hybrid's prefill leaves to the decode (it needs the state before the last one)
+BACKOFF = 1  # prompt tokens a hybrid's or sliding window's prefill leaves to the decode (``CacheGroups.backoff``)
 NULL_BLOCK = 0  # vLLM's null block: its block pool's first, in a request's block ids where nothing is kept
 
 
@@ -35,8 +35,11 @@ class CacheGroups:
     @property
     def backoff(self) -> int:
         """Prompt tokens the prefill does not compute and the decode computes itself: vLLM always recomputes a
-        loaded prompt's last token, which a Mamba state that already holds it would take twice."""
-        return MAMBA_BACKOFF if self.mamba is not None else 0
+        loaded prompt's last token, which a Mamba state that already holds it would take twice; and it gives the
+        decode null blocks for the tokens before the window of the token after the loaded ones, one of which that
+        recomputed token attends to where the window's start falls at a block's end (prompts of window - 1 + a
+        multiple of the block size)."""
+        return BACKOFF if self.mamba is not None or self.sliding_window is not None else 0
 
     @property
     def single(self) -> bool:

@@ -64,8 +64,8 @@ class SchedulerSide:
         return count, True
 
     def _loaded(self, request: Any) -> int:
-        """The prompt tokens a pull brings: all, or for a hybrid all but the last (the prefill's ``backoff``;
-        a prompt of no more tokens than that is computed here)."""
+        """The prompt tokens a pull brings: all, or for a hybrid or a sliding window all but the last (the
+        prefill's ``backoff``; a prompt of no more tokens than that is computed here)."""
         return request.num_prompt_tokens - self._groups.backoff
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
@@ -138,8 +138,9 @@ class SchedulerSide:
             )
 
     def on_new_request(self, request: Any) -> None:
-        """ctx, hybrid models: the prompt stops ``backoff`` tokens short, so the Mamba state handed over is the one
-        before the prompt's last token, which the decode computes (as vLLM's NixlConnector does)."""
+        """ctx, hybrid and sliding-window models: the prompt stops ``backoff`` tokens short, so the Mamba state
+        handed over is the one before the prompt's last token, which the decode computes (as vLLM's NixlConnector
+        does for Mamba); ``CacheGroups.backoff`` says why a sliding window needs it too."""
         params, backoff = request.kv_transfer_params, self._groups.backoff
         if not backoff or not params or not params.get("do_remote_decode") or params.get("_nixl_kv_truncated"):
             return
