@@ -3,11 +3,13 @@ aggregated vLLM server on the same checkpoint (the same engine, no connector). E
 
 The engines run from the venv ``scripts/vllm_env.sh`` makes (``NIXL_KV_VLLM_PYTHON``, else ``.venv-vllm``). vLLM
 starts slowly on 2 cores (30-100 s), so one module-scoped set of servers serves every test; a second prefill
-instance is the one a test kills.
+instance is the one a test kills. Every connector writes its requests' KV digests (``nixl_kv.vllm.digest``) to a
+file of its own, and the decode instance's connector can hold its READs in flight (``tests/vllm_held_reads.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -30,6 +32,7 @@ MAX_TOKENS = 12
 RECEIVED = "vllm:nixl_kv_transfer_seconds_count"
 FAILED = "vllm:nixl_kv_failed_transfers_total"
 PARAMS_KEY = "nixl_kv_params"  # nixl_kv.vllm.scheduler's (which imports vLLM, absent here)
+HELD = "tests.vllm_held_reads:HeldReadsConnector"
 
 pytestmark = pytest.mark.vllm
 
@@ -43,6 +46,7 @@ class Pair:
     victim: Server  # a second prefill instance, of 64-token blocks (the decode's are 32), for the test that kills one
     wide: Server  # a decode instance of tensor-parallel size 2 (kv_both)
     client: httpx.Client
+    files: Path | None = None  # each server's KV digests (NAME.jsonl) and the decode's READ hold (hold)
 
     def expected(self, prompt: list[int]) -> tuple[int, ...]:
         answer = complete(self.client, self.aggregated.url, prompt, MAX_TOKENS)
@@ -50,22 +54,35 @@ class Pair:
         return answer.tokens
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, kind: str = "llama") -> Path:
+    """The ``kind`` checkpoint in a folder of its own, written by the vLLM venv's transformers (there must be one)."""
     if not Path(PYTHON).exists():
         pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
-    model = make_model(tmp_path_factory.mktemp("vllm") / "model", python=PYTHON)
-    decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
+    return make_model(tmp_path_factory.mktemp("vllm") / kind, python=PYTHON, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    model = checkpoint(tmp_path_factory)
+    files = tmp_path_factory.mktemp("vllm-files")
+
+    def digests(name: str) -> tuple[tuple[str, object], ...]:
+        return (("kv_digest_file", str(files / f"{name}.jsonl")),)
+
+    decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS), ("hold_reads_file", str(files / "hold")))
+    held = dict(connector=HELD, env=(("PYTHONPATH", str(ROOT)),))
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
-        prefill = servers.start(Instance("kv_producer"), "prefill")  # CPU 0 (each server's ranks take CPUs in turn)
-        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")  # CPU 1
-        victim = servers.start(Instance("kv_producer", block_size=64), "victim")
+        # CPU 0 (each server's ranks take CPUs in turn)
+        prefill = servers.start(Instance("kv_producer", extra_config=digests("prefill")), "prefill")
+        decode_instance = Instance("kv_consumer", extra_config=decode_config + digests("decode"), **held)
+        decode = servers.start(decode_instance, "decode")  # CPU 1
+        victim = servers.start(Instance("kv_producer", block_size=64, extra_config=digests("victim")), "victim")
         wide = servers.start(Instance("kv_both", tp=2), "decode-tp2")
         aggregated = servers.start(Instance(), "aggregated")
         router = servers.start_router([prefill], [decode])
         servers.wait()
         with httpx.Client(timeout=120) as client:
-            yield Pair(prefill, decode, aggregated, router, victim, wide, client)
+            yield Pair(prefill, decode, aggregated, router, victim, wide, client, files)
 
 
 def counters(pair: Pair, server: Server) -> tuple[float, float]:
@@ -174,6 +191,24 @@ def test_a_prefill_of_larger_blocks_than_the_decode_which_nixlconnector_refuses(
         assert counters(pair, pair.decode) == (received + 1, failed), why_not_pulled(pair.decode)
 
 
+def last_digest(pair: Pair, name: str) -> dict:
+    """The last KV digest the ``name`` server's connector wrote (``nixl_kv.vllm.digest``)."""
+    return json.loads((pair.files / f"{name}.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.mark.parametrize("source", ["prefill", "victim"])
+def test_the_decode_receives_the_prefills_kv_byte_for_byte(pair: Pair, source: str) -> None:
+    """The digest of the prompt's KV, token by token, the prefill's after its forward and the decode's once pulled,
+    before vLLM computes on it: the same bytes also from a prefill of 64-token blocks into the decode's 32."""
+    prompt = prompt_of(257, seed=9)
+    params = prefilled_params(pair, getattr(pair, source), prompt)
+    ctx = last_digest(pair, source)
+    assert decode_with(pair, prompt, params) == (200, pair.expected(prompt))
+    gen = last_digest(pair, "decode")
+    assert (gen["tokens"], gen["ctx_request"]) == (ctx["tokens"], ctx["ctx_request"]) == (257, ctx["ctx_request"])
+    assert gen["digest"] == ctx["digest"]
+
+
 def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token(pair: Pair) -> None:
     prompt = prompt_of(400, seed=6)
     params = prefilled_params(pair, pair.victim, prompt)
@@ -187,3 +222,32 @@ def test_a_killed_prefill_costs_its_deadline_and_a_recompute_never_a_wrong_token
     assert counters(pair, pair.decode) == (received, failed + 1)
     # the decode instance goes on serving through the live prefill
     assert complete(pair.client, pair.router.url, prompt, MAX_TOKENS).tokens == pair.expected(prompt)
+
+
+def test_a_prefill_killed_mid_transfer_costs_a_recompute_never_a_wrong_token_or_a_hang(pair: Pair) -> None:
+    """The decode's READ is held in flight (``tests/vllm_held_reads.py``) while the prefill is killed and past the
+    pull's deadline: the pull fails, vLLM recomputes the prompt, and the answer is aggregated vLLM's. Last: the
+    router's prefill is gone after it."""
+    prompt = prompt_of(500, seed=10)
+    expected = pair.expected(prompt)
+    params = prefilled_params(pair, pair.prefill, prompt)
+    hold, held = pair.files / "hold", pair.files / "hold.held"
+    received, failed = counters(pair, pair.decode)
+    hold.touch()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            answer = pool.submit(decode_with, pair, prompt, params)
+            while not held.exists():  # the pull's READ is posted and not seen finished
+                assert time.monotonic() < started + 60 and not answer.done(), "no READ was held"
+                time.sleep(0.05)
+            pair.prefill.kill()
+            time.sleep(TRANSFER_TIMEOUT_MS / 1000 + 1)  # the pull's deadline passes with its READ in flight
+            hold.unlink()
+            assert answer.result(timeout=120) == (200, expected)
+    finally:
+        hold.unlink(missing_ok=True)
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_MS / 1000 + 30  # the deadline, then a recompute
+    assert counters(pair, pair.decode) == (received, failed + 1), why_not_pulled(pair.decode)
+    # the decode instance goes on serving
+    assert complete(pair.client, pair.decode.url, prompt, MAX_TOKENS).tokens == expected

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from nixl_kv.vllm.client import complete, prompt_of
-from nixl_kv.vllm.launch import KINDS, Instance, VllmServers, make_model
+from nixl_kv.vllm.launch import KINDS, Instance, VllmServers
 from tests.test_vllm import (
     MAX_TOKENS,
     PYTHON,
     TRANSFER_TIMEOUT_MS,
     Pair,
     assert_concurrent_answers,
+    checkpoint,
     counters,
     decode_with,
     prefilled_params,
@@ -37,9 +37,7 @@ HMA_OFF = "Turning off hybrid kv cache manager"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if not Path(PYTHON).exists():
-        pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
-    model = make_model(tmp_path_factory.mktemp("vllm") / "hybrid", python=PYTHON, kind="granite_hybrid")
+    model = checkpoint(tmp_path_factory, "granite_hybrid")
     args = KINDS["granite_hybrid"]
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
     with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:

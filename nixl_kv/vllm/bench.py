@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from nixl_kv.vllm.client import Completion, complete, prompt_of, scrape
-from nixl_kv.vllm.launch import Instance, VllmServers, make_model
+from nixl_kv.vllm.launch import KINDS, Instance, VllmServers, make_model
 
 TRANSFER_METRIC = {"nixl_kv": "vllm:nixl_kv_transfer_seconds", "nixl": "vllm:nixl_xfer_time_seconds"}
 CONFIGURATIONS = ("nixl_kv", "nixl", "aggregated")
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests per cell")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--model-dir", type=Path, default=Path(".vllm-model-bench"))
+    parser.add_argument("--kind", choices=sorted(KINDS), default="llama", help="checkpoint (--layers: llama kinds)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: .vllm-model-bench (-KIND)")
     parser.add_argument("--json", type=Path, help="also write the cells here")
     parser.add_argument(
         "--omp-bind", default="each", help="VLLM_CPU_OMP_THREADS_BIND: each (a CPU per server, in turn) or vLLM's own"
@@ -60,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     concurrencies = [int(n) for n in args.concurrency.split(",")]
-    model = make_model(args.model_dir, layers=args.layers)
-    kv_mib = args.layers * 2 * 2 * 64 * 4 * max(lengths) / 2**20
-    print(f"[bench] {args.layers} layers, KV {kv_mib:.0f} MiB at {max(lengths)} tokens", file=sys.stderr)
+    suffix = "" if args.kind == "llama" else f"-{args.kind}"
+    model = make_model(args.model_dir or Path(f".vllm-model-bench{suffix}"), layers=args.layers, kind=args.kind)
+    if args.kind.startswith("llama"):  # 2 kv heads of 64 dims, float32
+        kv_mib = args.layers * 2 * 2 * 64 * 4 * max(lengths) / 2**20
+        print(f"[bench] {args.layers} layers, KV {kv_mib:.0f} MiB at {max(lengths)} tokens", file=sys.stderr)
     first_contact: dict[str, float] = {}
     cells: dict[str, list[Cell]] = {}
     for configuration in ("aggregated", "nixl_kv", "nixl"):  # aggregated first: its tokens are the reference
@@ -89,13 +92,15 @@ def run_configuration(
     os.environ["NIXL_KV_HOOK_TIMES"] = str(hook_dir)
     max_len = max(lengths) + args.max_tokens + 64
     with VllmServers(model, max_model_len=max_len, kv_cache_gib=2, omp_bind=args.omp_bind) as servers:
+        extra = KINDS[args.kind]
         if configuration == "aggregated":
-            entry = servers.start(Instance(), "aggregated")
+            entry = servers.start(Instance(extra_args=extra), "aggregated")
             decode = None
         else:
             timed = f"{configuration}-timed"
-            prefill = servers.start(Instance("kv_producer", timed), "prefill")
-            decode = servers.start(Instance("kv_consumer", timed), "decode")
+            config = (("allow_cpu_mla", True),) if args.kind == "deepseek_mla" else ()  # read by nixl_kv's only
+            prefill = servers.start(Instance("kv_producer", timed, extra_config=config, extra_args=extra), "prefill")
+            decode = servers.start(Instance("kv_consumer", timed, extra_config=config, extra_args=extra), "decode")
             entry = servers.start_router([prefill], [decode])
         started = time.monotonic()
         servers.wait()

@@ -9,7 +9,8 @@ vLLM builds one instance in the scheduler (role SCHEDULER: ``nixl_kv.vllm.schedu
 (role WORKER: ``nixl_kv.vllm.worker``); each hook here only hands over to that side. Options, in
 ``kv_connector_extra_config``: ``transfer_timeout_ms`` (a pull's deadline, default 10000), ``lease_ms`` (how long
 the prefill instance keeps a request's blocks for its reader, default 30000), ``backend`` (the transfer agent,
-default NIXL).
+default NIXL), ``kv_digest_file`` (each side appends a digest of every request's KV there: ``nixl_kv.vllm.digest``),
+``allow_cpu_mla`` (run an MLA model on vLLM's CPU build: ``_check_cpu_mla``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("nixl_kv: kv_load_failure_policy is %r: a failed pull fails its request instead of "
                         "recomputing it", transfer.kv_load_failure_policy)  # fmt: skip
         groups = cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
-        _refuse_cpu_mla(groups)
+        _check_cpu_mla(groups, bool(transfer.get_from_extra_config("allow_cpu_mla", False)))
         self._groups = groups
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -85,6 +86,7 @@ class NixlKvConnector(KVConnectorBase_V1, SupportsHMA):
             CacheTransceiverConfig.from_env(config),
             groups,
             _mamba_model(model.hf_text_config) if groups.mamba is not None else None,
+            transfer.get_from_extra_config("kv_digest_file", None),
         )
 
     # --- worker ------------------------------------------------------------------------------------------------
@@ -199,14 +201,24 @@ def _mamba_model(hf_config: Any) -> MambaModel:
     )
 
 
-def _refuse_cpu_mla(groups: CacheGroups) -> None:
-    """vLLM's CPU MLA backend forces prefix caching and chunked prefill off: a decode that loaded a prompt's latent
-    cache and computes its last token on it decodes other tokens than aggregated vLLM (seen with the deepseek_mla
-    checkpoint: the first three equal, then not), so an MLA model is refused on the CPU, by name."""
+def _check_cpu_mla(groups: CacheGroups, allowed: bool) -> None:
+    """vLLM's CPU_MLA backend decodes a prompt differently by the batch it runs in: four identical greedy requests
+    sent at once to one aggregated server gave four different continuations, and a prompt's last token computed by
+    its decode path (as a decode instance computes it on a loaded latent cache) gives other tokens than its prefill
+    path. The connector moves the latent cache byte for byte (``kv_digest_file`` shows it), but a pair's tokens then
+    differ from aggregated vLLM's, so an MLA model on the CPU build needs ``allow_cpu_mla``; refused by name
+    otherwise. vLLM's GPU MLA backends are not refused."""
     from vllm.platforms import current_platform
 
-    if groups.mla and current_platform.is_cpu():
+    if not groups.mla or not current_platform.is_cpu():
+        return
+    if not allowed:
         raise NotSupportedError(
-            "nixl_kv.vllm: MLA on vLLM's CPU build is refused: its CPU_MLA backend computes no token over a loaded "
-            "latent cache as aggregated vLLM does"
+            "nixl_kv.vllm: MLA on vLLM's CPU build is refused: its CPU_MLA backend computes a token differently by "
+            "batch and by path (prefill or decode), so a pair decodes other tokens than aggregated vLLM although "
+            'the latent cache moves byte for byte; set kv_connector_extra_config {"allow_cpu_mla": true} to run it'
         )
+    log.warning(
+        "nixl_kv: MLA on vLLM's CPU build (allow_cpu_mla): the latent cache moves byte for byte, but CPU_MLA computes "
+        "the decode's first token by another path than aggregated vLLM, so tokens may differ"
+    )

@@ -45,8 +45,11 @@ MODEL = dict(
 )
 
 
-# the other kinds vLLM's CPU build runs (nixl_kv.serving.checkpoints), each with what its servers need
-KINDS = {"llama": (), "granite_hybrid": ("--no-enable-prefix-caching",), "deepseek_mla": ()}
+# the other kinds vLLM's CPU build runs (nixl_kv.serving.checkpoints), each with what its servers need;
+# llama_sw: the llama checkpoint with a sliding window of SLIDING_WINDOW tokens in every layer (Mistral-like: vLLM's
+# Llama reads the window from layer_types)
+KINDS = {"llama": (), "llama_sw": (), "granite_hybrid": ("--no-enable-prefix-caching",), "deepseek_mla": ()}
+SLIDING_WINDOW = 96
 
 
 def make_model(directory: Path, layers: int = 4, python: str = sys.executable, kind: str = "llama") -> Path:
@@ -61,8 +64,9 @@ def make_model(directory: Path, layers: int = 4, python: str = sys.executable, k
         return directory
     from nixl_kv.serving.checkpoints import make_checkpoint
 
-    if kind == "llama":
-        make_checkpoint("llama", directory, num_hidden_layers=layers, **MODEL)
+    if kind in ("llama", "llama_sw"):
+        window = {"layer_types": ["sliding_attention"] * layers, "sliding_window": SLIDING_WINDOW}
+        make_checkpoint("llama", directory, num_hidden_layers=layers, **MODEL, **(window if kind == "llama_sw" else {}))
     else:
         make_checkpoint(kind, directory)
     return directory
@@ -73,16 +77,20 @@ class Instance:
     """One vLLM server: its KV role (None: aggregated, no connector) and anything else for its command line."""
 
     role: str | None = None  # kv_producer, kv_consumer, kv_both
-    connector: str = "nixl_kv"
+    connector: str = "nixl_kv"  # a key of CONNECTORS, or "module:Class" (a connector of one's own)
     block_size: int = 32
     tp: int = 1
     extra_config: tuple[tuple[str, object], ...] = ()
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # the server's environment, beside the launcher's settings
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
             return None
-        name, module = CONNECTORS[self.connector]
+        if self.connector in CONNECTORS:
+            name, module = CONNECTORS[self.connector]
+        else:
+            module, _, name = self.connector.partition(":")
         config = {"kv_connector": name, "kv_role": self.role, "kv_load_failure_policy": "recompute"}
         if module:
             config["kv_connector_module_path"] = module
@@ -122,6 +130,7 @@ class VllmServers:
             # aggregated one computes as the pair does)
             "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
             **os.environ,
+            **dict(instance.env),
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
         log = self.log_dir / f"{name}.log"

@@ -35,6 +35,7 @@ class Receive:
     block_ids: tuple[int, ...]
     reused_blocks: int
     slot: int | None = None  # its Mamba state slot (hybrid models)
+    num_tokens: int = 0  # the prompt tokens the pull brings (with those the prefix cache holds)
 
 
 @dataclass

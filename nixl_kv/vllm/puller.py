@@ -35,6 +35,7 @@ class Pulled:
     seconds: float
     nbytes: int
     error: str | None = None
+    receive: Receive | None = None  # what the scheduler asked for
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Puller:
             request.transfer_end - request.transfer_start if ok else 0.0,
             request.transfer_bytes if ok else 0,
             None if ok else request.error,
+            receive,
         )
         with self._lock:
             self._results.append(result)

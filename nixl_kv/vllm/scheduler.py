@@ -21,7 +21,7 @@ from typing import Any
 from nixl_kv import wire
 from nixl_kv.errors import WireFormatError
 from nixl_kv.params import ParamsMaker
-from nixl_kv.params_seal import is_sealed, prompt_digest
+from nixl_kv.params_seal import params_problem, prompt_digest
 from nixl_kv.state import ContextPhaseParams
 from nixl_kv.vllm.groups import CacheGroups
 from nixl_kv.vllm.metadata import Receive, Respond, StepMetadata
@@ -64,8 +64,8 @@ class SchedulerSide:
         return count, True
 
     def _loaded(self, request: Any) -> int:
-        """The prompt tokens a pull brings: all, or for a hybrid all but the last (the prefill's ``backoff``;
-        a prompt of no more tokens than that is computed here)."""
+        """The prompt tokens a pull brings: all, or for a hybrid or a sliding window all but the last (the
+        prefill's ``backoff``; a prompt of no more tokens than that is computed here)."""
         return request.num_prompt_tokens - self._groups.backoff
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
@@ -93,14 +93,18 @@ class SchedulerSide:
         except ValueError as exc:  # vLLM computes the prompt here: report the (empty) load as failed
             log.warning("nixl_kv: request %s computes its prompt here: %s", request.request_id, exc)
             return
+        kv_blocks = self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]
+        # held here already: the prefix cache's, and a sliding window's null blocks (nothing is kept before it)
+        reused = max((loaded - num_external_tokens) // self._block_size, self._groups.leading_nulls(kv_blocks))
         self._step.receive.append(
             Receive(
                 request_id=next(self._ids),
                 vllm_id=request.request_id,
                 params=base64.b64decode(params[PARAMS_KEY]),
-                block_ids=tuple(self._groups.kv_blocks(block_ids)[: -(-loaded // self._block_size)]),
-                reused_blocks=(loaded - num_external_tokens) // self._block_size,
+                block_ids=tuple(kv_blocks),
+                reused_blocks=reused,
                 slot=slot,
+                num_tokens=loaded,
             )
         )
         self._loading.add(request.request_id)
@@ -134,8 +138,9 @@ class SchedulerSide:
             )
 
     def on_new_request(self, request: Any) -> None:
-        """ctx, hybrid models: the prompt stops ``backoff`` tokens short, so the Mamba state handed over is the one
-        before the prompt's last token, which the decode computes (as vLLM's NixlConnector does)."""
+        """ctx, hybrid and sliding-window models: the prompt stops ``backoff`` tokens short, so the Mamba state
+        handed over is the one before the prompt's last token, which the decode computes (as vLLM's NixlConnector
+        does for Mamba); ``CacheGroups.backoff`` says why a sliding window needs it too."""
         params, backoff = request.kv_transfer_params, self._groups.backoff
         if not backoff or not params or not params.get("do_remote_decode") or params.get("_nixl_kv_truncated"):
             return
@@ -186,14 +191,15 @@ class SchedulerSide:
 
 def _refusal(encoded: object, prompt: list[int] | None) -> str | None:
     """Why these params cannot be pulled for this prompt (None: they can): checked before anything is allocated."""
-    if not isinstance(encoded, str) or len(encoded) > 16 << 20:
+    if not isinstance(encoded, str):
         return f"{PARAMS_KEY} must be a base64 string"
     try:
         data = base64.b64decode(encoded, validate=True)
     except ValueError:
         return f"{PARAMS_KEY} is not base64"
-    if not is_sealed(data):
-        return f"{PARAMS_KEY} fail their checksum"
+    problem = params_problem(data)  # the one rule a gen applies (too long, damaged): the same words
+    if problem:
+        return f"{PARAMS_KEY} {problem}"
     try:
         params = wire.decode(data, ContextPhaseParams)
     except WireFormatError as exc:

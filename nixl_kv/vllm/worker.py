@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nixl_kv import wire
 from nixl_kv.comm import SingleProcessComm
 from nixl_kv.config import CacheTransceiverConfig
 from nixl_kv.params import ParamsMaker
 from nixl_kv.requests import TransferRequest
+from nixl_kv.state import ContextPhaseParams
 from nixl_kv.transceiver import CacheTransceiver
 from nixl_kv.vllm.blocks import VllmBlocks
 from nixl_kv.vllm.comm import TensorParallelComm
+from nixl_kv.vllm.digest import DigestLog, kv_digest
 from nixl_kv.vllm.groups import CacheGroups
 from nixl_kv.vllm.kv_layout import (
     AttentionShape,
@@ -36,7 +39,7 @@ from nixl_kv.vllm.kv_layout import (
     ordered_layers,
 )
 from nixl_kv.vllm.metadata import Respond, StepMetadata
-from nixl_kv.vllm.puller import Puller
+from nixl_kv.vllm.puller import Pulled, Puller
 from nixl_kv.vllm.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -77,10 +80,14 @@ class WorkerSide:
         config: CacheTransceiverConfig,
         groups: CacheGroups | None = None,
         mamba: MambaModel | None = None,
+        digest_file: str | None = None,
     ) -> None:
         self._shape, self._total_kv_heads, self._tp, self._config = shape, total_kv_heads, tp, config
         self._groups = groups or CacheGroups(block_size=shape.block_size)
         self._mamba = mamba
+        self._digest_file = digest_file
+        self._digests: DigestLog | None = None  # set at register (it needs the rank)
+        self._layers: list[torch.Tensor] = []  # the attention layers, in model order
         self._blocks: VllmBlocks | None = None
         self.transceiver: CacheTransceiver | None = None
         self._responding: dict[int, Respond] = {}  # ctx: our id -> what was responded
@@ -93,7 +100,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> ParamsMaker:
         groups = self._groups
-        layout, dtype = describe(ordered_layers(kv_caches, groups.attention_layers), self._shape)
+        self._layers = ordered_layers(kv_caches, groups.attention_layers)
+        layout, dtype = describe(self._layers, self._shape)
         rnn_layout = rnn = None
         if groups.mamba_shape is not None:
             if self._mamba is None:
@@ -103,6 +111,8 @@ class WorkerSide:
         self._blocks = VllmBlocks(layout, rnn_layout)
         state = cache_state(self._total_kv_heads, layout, dtype, self._tp, rnn, mla=self._shape.mla)
         comm = SingleProcessComm() if self._tp == 1 else TensorParallelComm()
+        if self._digest_file:
+            self._digests = DigestLog(self._digest_file, getattr(comm, "rank", 0))
         with every_cpu():  # the threads started here (progress loop, agent, puller) inherit it
             self.transceiver = CacheTransceiver(self._blocks, state, self._config, comm)
             self._puller = Puller(self.transceiver, self._blocks, threaded=self._tp == 1)
@@ -134,6 +144,9 @@ class WorkerSide:
                 self._sent.add(respond.vllm_id)  # nothing pinned: its blocks can go once the scheduler lets them
                 continue
             self._responding[respond.request_id] = respond
+            if self._digests is not None:
+                digest = kv_digest(self._layers, respond.block_ids, respond.num_tokens, self._shape)
+                self._digests.write("ctx", respond.request_id, respond.num_tokens, digest)
 
     def finished(self) -> StepResults:
         results = StepResults()
@@ -159,12 +172,22 @@ class WorkerSide:
             results.received.add(pulled.vllm_id)
             if pulled.ok:
                 self.stats.record(pulled.seconds, pulled.nbytes)
+                self._log_digest(pulled)
                 continue
             log.warning("nixl_kv: request %s failed, vLLM recomputes it: %s", pulled.vllm_id, pulled.error)
             self.stats.record_failure()
             results.failed.add(pulled.vllm_id)
             self._load_errors.update(pulled.moved_blocks)
         return results
+
+    def _log_digest(self, pulled: Pulled) -> None:
+        """gen: the received KV's digest, before vLLM computes on it (it runs the request in a later step)."""
+        receive = pulled.receive
+        if self._digests is None or receive is None or receive.num_tokens == 0:
+            return
+        digest = kv_digest(self._layers, receive.block_ids, receive.num_tokens, self._shape)
+        ctx_request = wire.decode(receive.params, ContextPhaseParams).request_id
+        self._digests.write("gen", ctx_request, receive.num_tokens, digest)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
