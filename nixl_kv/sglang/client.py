@@ -80,11 +80,15 @@ def generate(client: httpx.Client, url: str, body: dict) -> Generation:
     return Generation(200, tokens, reason, first, time.perf_counter() - start)
 
 
-def generate_pair(client: httpx.Client, pair: Pair, prompt: list[int], max_tokens: int) -> Generation:
-    """The request through the pair: both servers get it with one bootstrap room; the decode's answer counts."""
+def generate_pair(client: httpx.Client, pair: Pair, prompt: list[int], max_tokens: int,
+                  rid: str | None = None) -> Generation:  # fmt: skip
+    """The request through the pair: both servers get it with one bootstrap room; the decode's answer counts.
+    ``rid`` names it on both (what ``/abort_request`` takes)."""
     body = body_of(prompt, max_tokens)
     body.update(bootstrap_host=urlsplit(pair.prefill).hostname, bootstrap_port=pair.bootstrap_port,
                 bootstrap_room=new_room())  # fmt: skip
+    if rid is not None:
+        body["rid"] = rid
     with ThreadPoolExecutor(1) as pool:
         prefill = pool.submit(generate, client, pair.prefill, {**body, "stream": False})
         decoded = generate(client, pair.decode, body)

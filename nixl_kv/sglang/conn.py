@@ -94,6 +94,8 @@ class _Pull:
 class NixlKvManager(CommonKVManager):
     kv_status_msg_tag = STATUS
     kv_status_msg_carries_reason = True
+    # SGLang holds a failed or aborted room's pages until ``is_abort_release_safe``: here, until no READ can land
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -280,6 +282,8 @@ class NixlKvManager(CommonKVManager):
                 self._finish(pull)
 
     def _finish(self, pull: _Pull) -> None:
+        if pull.room not in self.request_status:
+            return  # the room was cleared (aborted, failed): nothing waits for it, and nothing may be left for it
         if pull.request.state is not RequestState.GENERATION_TRANS_COMPLETE:
             self.record_failure(pull.room, f"nixl_kv: {pull.request.error}")
             self.update_status(pull.room, KVPoll.Failed)
@@ -294,17 +298,29 @@ class NixlKvManager(CommonKVManager):
                 ctypes.memmove(ptr + pull.aux_index * n, data, min(n, len(data)))
         self.update_status(pull.room, KVPoll.Success)
 
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """SGLang's deferred release of a failed or aborted room's pages: safe once no pull of the room can still
+        land in them (the prefill writes nothing here, so its acks, ``required_acks``, say nothing)."""
+        self._pump()
+        with self._lock:
+            return bootstrap_room not in self._expected and all(p.room != bootstrap_room for p in self._pulls.values())
+
     # --- both ----------------------------------------------------------------------------------------------------
-    def check_status(self, bootstrap_room: int) -> Any:
+    def _pump(self) -> None:
+        """Collect ended transfers, at most once per ``PUMP_S`` (the scheduler polls every room every step)."""
         now = time.monotonic()
-        if now - self._last_pump >= PUMP_S:
-            self._last_pump = now
-            with self._lock:
-                if self.disaggregation_mode == DisaggregationMode.PREFILL:
-                    if self._responding:
-                        self._pump_prefill()
-                elif self._pulls:
-                    self._pump_decode()
+        if now - self._last_pump < PUMP_S:
+            return
+        self._last_pump = now
+        with self._lock:
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                if self._responding:
+                    self._pump_prefill()
+            elif self._pulls:
+                self._pump_decode()
+
+    def check_status(self, bootstrap_room: int) -> Any:
+        self._pump()
         return self.request_status[bootstrap_room]
 
 

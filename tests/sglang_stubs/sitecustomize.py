@@ -15,3 +15,8 @@ try:
     _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 except Exception:  # torch missing or the schemas already defined: nothing to stand in for
     pass
+
+import os  # noqa: E402
+
+if os.environ.get("NIXL_KV_SGLANG_TEST_HOLD"):  # a test's fault injection (nixl_kv_hold.py), never a user's
+    import nixl_kv_hold  # noqa: F401
