@@ -12,23 +12,14 @@ from pathlib import Path
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
+from tests.gpu_pair import run_pair
 
-try:
-    GPUS = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, no device
-    GPUS = 0
-if GPUS == 0:
-    pytest.skip("no CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 
 
 def _pair(*args: str) -> dict:
-    command = [sys.executable, "-m", "nixl_kv.cli", "pair", "--device", "cuda", "--json", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["verified"] == summary["requests"] and summary["mismatched_elements"] == 0, summary
+    summary = run_pair(*args)
+    assert summary["verified"] == summary["requests"], summary
     return summary
 
 

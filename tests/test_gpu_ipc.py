@@ -9,35 +9,18 @@ there); skipped where cupy or a GPU is missing.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
+from tests.gpu_pair import cupy, run_pair
 
-try:
-    GPUS = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, no device
-    GPUS = 0
-if GPUS == 0:
-    pytest.skip("no CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 
 SMALL = ("--layers", "4", "--kv-heads", "8", "--head-dim", "64", "--tokens-per-block", "16")
 
 
 def _pair(*args: str, gather: bool = True) -> dict:
-    command = [sys.executable, "-m", "nixl_kv.cli", "pair", "--device", "cuda", "--json", *args]
-    env = {**os.environ, "NIXL_KV_IPC_GATHER": "1" if gather else "0"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["mismatched_elements"] == 0, summary
-    return summary
+    return run_pair(*args, env={"NIXL_KV_IPC_GATHER": "1" if gather else "0"})
 
 
 def _ipc_paths(summary: dict) -> set[str]:
