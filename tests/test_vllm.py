@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, kind: str = "llama") ->
     if not Path(PYTHON).exists():
         pytest.fail(f"no vLLM venv at {PYTHON}: scripts/test.sh makes it (scripts/vllm_env.sh)")
     return make_model(tmp_path_factory.mktemp("vllm") / kind, python=PYTHON, kind=kind)
+
+
+@contextmanager
+def prefill_and_decode(model: Path, prefill: Instance, decode: Instance, files: Path | None = None) -> Iterator[Pair]:
+    """One prefill and one decode instance, the decode standing in for every other server of a ``Pair``: for modules
+    whose reference is the decode's own answer (one server fewer to start on 2 cores)."""
+    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
+        ctx = servers.start(prefill, "prefill")
+        gen = servers.start(decode, "decode")
+        servers.wait()
+        with httpx.Client(timeout=120) as client:
+            yield Pair(ctx, gen, gen, gen, ctx, gen, client, files)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,10 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from nixl_kv.vllm.client import prompt_of
-from nixl_kv.vllm.launch import Instance, VllmServers
+from nixl_kv.vllm.launch import Instance
 from tests.test_vllm import (
     PYTHON,
     TRANSFER_TIMEOUT_MS,
@@ -27,6 +26,7 @@ from tests.test_vllm import (
     counters,
     decode_with,
     last_digest,
+    prefill_and_decode,
     prefilled_params,
     why_not_pulled,
 )
@@ -44,12 +44,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         return (("allow_cpu_mla", True), ("kv_digest_file", str(files / f"{name}.jsonl")))
 
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS), *config("decode"))
-    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
-        prefill = servers.start(Instance("kv_producer", extra_config=config("prefill")), "prefill")
-        decode = servers.start(Instance("kv_consumer", extra_config=decode_config), "decode")
-        servers.wait()
-        with httpx.Client(timeout=120) as client:
-            yield Pair(prefill, decode, decode, decode, prefill, decode, client, files)
+    prefill = Instance("kv_producer", extra_config=config("prefill"))
+    with prefill_and_decode(model, prefill, Instance("kv_consumer", extra_config=decode_config), files) as servers:
+        yield servers
 
 
 def test_vllm_cpu_mla_is_refused_by_name_without_allow_cpu_mla() -> None:

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from nixl_kv.vllm.client import prompt_of, scrape
-from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance, VllmServers
+from nixl_kv.vllm.launch import SLIDING_WINDOW, Instance
 from tests.test_vllm import (
-    PYTHON,
     TRANSFER_TIMEOUT_MS,
     Pair,
     checkpoint,
     counters,
     decode_with,
+    prefill_and_decode,
     prefilled_params,
     why_not_pulled,
 )
@@ -42,13 +41,10 @@ BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 4  # layers, kv heads, tokens, K and V, h
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model = checkpoint(tmp_path_factory, "llama_sw")
     decode_config = (("transfer_timeout_ms", TRANSFER_TIMEOUT_MS),)
-    with VllmServers(model, python=PYTHON, max_model_len=2048) as servers:
-        prefill = servers.start(Instance("kv_producer", extra_args=NO_PREFIX_CACHE), "prefill")
-        decode_instance = Instance("kv_consumer", extra_config=decode_config, extra_args=NO_PREFIX_CACHE)
-        decode = servers.start(decode_instance, "decode")
-        servers.wait()
-        with httpx.Client(timeout=120) as client:
-            yield Pair(prefill, decode, decode, decode, prefill, decode, client)
+    prefill = Instance("kv_producer", extra_args=NO_PREFIX_CACHE)
+    decode = Instance("kv_consumer", extra_config=decode_config, extra_args=NO_PREFIX_CACHE)
+    with prefill_and_decode(model, prefill, decode) as servers:
+        yield servers
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_for_a_sliding_window(pair: Pair) -> None:
