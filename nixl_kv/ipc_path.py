@@ -26,6 +26,7 @@ How it fits (a narrow interface, nothing else changes):
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -159,9 +160,15 @@ class Mapping:
                 cupy.cuda.runtime.ipcCloseMemHandle(self._opened.pop())
 
 
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library, opened once (every pool of every peer mapped is checked through it)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _check_inside(base: int, pool: PoolHandle) -> None:
     """The pool the peer claims lies inside the allocation its handle maps (never a copy past its end)."""
-    driver = ctypes.CDLL("libcuda.so.1")
+    driver = _cuda_driver()
     start, size = ctypes.c_uint64(), ctypes.c_size_t()
     status = driver.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size), ctypes.c_uint64(base))
     if status != 0 or pool.offset + pool.region.nbytes > start.value + size.value - base:
