@@ -23,8 +23,10 @@ does not hold the instance key cannot forge it.
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
+import struct
 import threading
 from collections.abc import Sequence
 
@@ -39,14 +41,17 @@ TOKEN_BYTES = 8
 MAX_PROMISE_NS = 10 * 10**9  # a promise read as further from now than this is garbage (a torn copy)
 WINDOW_BYTES = WINDOW * ENTRY_BYTES
 KEY_BYTES = 16
+_HEAD = struct.Struct("=3q")  # request id, tokens, state slot: native int64s, as the blocks are
 
 
 def hold_token(key: bytes, request_id: int, num_tokens: int, block_ids: Sequence[int], rnn_slot: int | None) -> int:
     """The nonzero token of one rank's hold on a request (both sides compute it from what they know)."""
-    blocks = np.ascontiguousarray(block_ids, dtype=np.int64)
     digest = hashlib.blake2b(key=key, digest_size=TOKEN_BYTES)
-    digest.update(np.array([request_id, num_tokens, -1 if rnn_slot is None else rnn_slot], dtype=np.int64).tobytes())
-    digest.update(blocks.tobytes())
+    digest.update(_HEAD.pack(request_id, num_tokens, -1 if rnn_slot is None else rnn_slot))
+    if isinstance(block_ids, np.ndarray):
+        digest.update(np.ascontiguousarray(block_ids, dtype=np.int64).tobytes())
+    else:  # the wire's tuples: no array to make (a few µs on every request)
+        digest.update(array.array("q", block_ids).tobytes())
     return int.from_bytes(digest.digest(), "little") or 1
 
 

@@ -57,6 +57,8 @@ def coalesced_rows(
     """Nx3 (address, length, device) local and remote rows, one per run of entries that continue each other on both
     sides; None where that saves fewer than ``min_saved`` descriptors (the prepared indices are cheaper then; 0: always
     rows, as a copy kernel takes them)."""
+    if len(local_indices) - 1 < min_saved:  # even one run would save too few: no need to find the runs
+        return None
     if len(local_indices) <= SMALL:
         return _small_rows(local, local_indices, remote, remote_indices, coarse, min_saved)
     starts, counts = entry_runs(local, local_indices, remote, remote_indices, coarse)

@@ -10,7 +10,7 @@ import numpy as np
 
 from nixl_kv import ipc_path
 from nixl_kv.errors import NotSupportedError, TransferError
-from nixl_kv.gen.plan_cache import PlanCache
+from nixl_kv.gen.plan_cache import PlanCache, plan_key
 from nixl_kv.gen.pull import Proof, Pull, direct_eligible
 from nixl_kv.gen.side import GenSide, Incoming
 from nixl_kv.holds import hold_token, promise_mask, unmask_promise
@@ -31,29 +31,59 @@ class Planner:
     def plan(self, incoming: Incoming) -> None:
         """The admitted request's reads and its per-peer pulls (no byte moves yet); NixlKvError if it cannot be
         read here."""
-        request, params = incoming.request, incoming.params
-        incoming.read_request, plan = self._reads(request, params, incoming.ctx_state)
+        request, params, ctx_state = incoming.request, incoming.params, incoming.ctx_state
+        self._check_pairing(params, ctx_state)
+        local_ids = self.local_blocks(request.request_id)
+        self_slot = self._local_slot(request.request_id)
+        layout = self._side.cache.layout
+        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
+        key = plan_key(
+            ctx_state,
+            num_blocks,
+            -(-params.num_tokens // layout.tokens_per_block),  # ours: the ctx's may be another size
+            params.layerwise,
+            request.reused_blocks,
+            params.ctx_dp_rank,
+            len(local_ids),
+            params.block_ids,
+            self_slot is None,
+            params.rnn_slot is None,
+        )
+        plan = self._plans.cached(key, ctx_state, local_ids, params.block_ids, layout.num_blocks)
+        if plan is None:  # planned from scratch, or from a template made now
+            incoming.read_request = self._read_request(request, params, ctx_state, local_ids, self_slot)
+            plan = self._plans.plan(incoming.read_request, num_blocks)
         request.transfer_bytes = sum(read.total_bytes for read in plan)
         self._pulls(incoming, plan, params)
+        if not incoming.fast and incoming.read_request is None:  # (stepped pulls plan their layer-wise steps from it)
+            incoming.read_request = self._read_request(request, params, ctx_state, local_ids, self_slot)
 
-    def _reads(
-        self, request: TransferRequest, params: ContextPhaseParams, ctx_state: DataTransceiverState
-    ) -> tuple[ReadRequest, list[PeerRead]]:
-        """Check the pairing and plan this rank's reads of the request."""
-        side = self._side
+    @staticmethod
+    def _check_pairing(params: ContextPhaseParams, ctx_state: DataTransceiverState) -> None:
         if params.layerwise and ctx_state.cache.rnn is not None:
             raise NotSupportedError(
                 "layer-wise transfer of RNN state is not supported (the state is final only at the end)"
             )
         if params.ctx_dp_rank >= ctx_state.cache.parallel.dp_size:
             raise TransferError(f"ctx DP rank {params.ctx_dp_rank} is outside the ctx dp_size")
-        read_request = ReadRequest(
+
+    def _read_request(
+        self,
+        request: TransferRequest,
+        params: ContextPhaseParams,
+        ctx_state: DataTransceiverState,
+        local_ids: np.ndarray,
+        self_slot: int | None,
+    ) -> ReadRequest:
+        """Everything the formatter plans this rank's reads of the request from."""
+        side = self._side
+        return ReadRequest(
             self_state=side.self_state,
             self_rank=side.self_rank,
             self_layout=side.cache.layout,
             peer_state=ctx_state,
             peer_block_ids=params.block_ids,
-            local_block_ids=self.local_blocks(request.request_id),
+            local_block_ids=local_ids,
             num_tokens=params.num_tokens,
             peer_dp_rank=params.ctx_dp_rank,
             first_block=request.reused_blocks,
@@ -64,11 +94,9 @@ class Planner:
             layerwise=params.layerwise,
             self_indexer=getattr(side.cache, "indexer_layout", None),
             self_rnn=getattr(side.cache, "rnn_layout", None),
-            self_rnn_slot=self._local_slot(request.request_id),
+            self_rnn_slot=self_slot,
             peer_rnn_slot=params.rnn_slot,
         )
-        num_blocks = -(-params.num_tokens // ctx_state.cache.model.tokens_per_block)
-        return read_request, self._plans.plan(read_request, num_blocks)
 
     def _pulls(self, incoming: Incoming, plan: list[PeerRead], params: ContextPhaseParams) -> None:
         """The request's per-peer pulls: fast ones where every part can be (``direct_eligible``), else stepped."""

@@ -107,24 +107,25 @@ class PlanCache:
     def plan(self, request: ReadRequest, num_blocks: int) -> list[PeerRead]:
         if request.layers is not None or request.only_peer is not None:  # layer-wise steps: planned as asked
             return self._planner(request)
-        key = (
-            id(request.peer_state),
+        key = plan_key(
+            request.peer_state,
             num_blocks,
-            -(-request.num_tokens // request.self_layout.tokens_per_block),  # ours: the ctx's may be another size
-            request.layerwise,  # layer-wise requests stage what other requests read as rows (block sizes differ)
+            -(-request.num_tokens // request.self_layout.tokens_per_block),
+            request.layerwise,
             request.first_block,
             request.peer_dp_rank,
             len(request.local_block_ids),
-            tuple(len(ids) for ids in request.peer_block_ids),
+            request.peer_block_ids,
             request.self_rnn_slot is None,
             request.peer_rnn_slot is None,
         )
+        found = self.cached(
+            key, request.peer_state, request.local_block_ids, request.peer_block_ids, request.self_layout.num_blocks
+        )
+        if found is not None:
+            return found
         template = self._templates.get(key)
-        if template is not None and template.peer_state is request.peer_state:
-            with self._lock:
-                if key in self._templates:
-                    self._templates.move_to_end(key)  # least recently used goes first
-        else:
+        if template is None or template.peer_state is not request.peer_state:
             template = self._build(request)
             with self._lock:
                 self._templates[key] = template
@@ -132,7 +133,25 @@ class PlanCache:
                     self._templates.popitem(last=False)
         if template.reads is None:
             return self._planner(request)
-        return _instantiate(template, request)
+        return _instantiate(template, request.local_block_ids, request.peer_block_ids, request.self_layout.num_blocks)
+
+    def cached(
+        self,
+        key: tuple,
+        peer_state: DataTransceiverState,
+        local_block_ids: np.ndarray,
+        peer_block_ids: tuple[tuple[int, ...], ...],
+        self_pool_blocks: int,
+    ) -> list[PeerRead] | None:
+        """The plan from the template kept for ``key`` (``plan_key``), None where none is kept or its requests are
+        planned from scratch. Why: a request that fits a template needs no ``ReadRequest`` at all."""
+        template = self._templates.get(key)
+        if template is None or template.peer_state is not peer_state or template.reads is None:
+            return None
+        with self._lock:
+            if key in self._templates:
+                self._templates.move_to_end(key)  # least recently used goes first
+        return _instantiate(template, local_block_ids, peer_block_ids, self_pool_blocks)
 
     def _build(self, request: ReadRequest) -> _Template:
         """Plan with positions for block ids; a plan that is more than indices of block ids is not a template."""
@@ -164,12 +183,46 @@ class PlanCache:
         return _Template(request.peer_state, tuple(reads), tuple(pool_blocks.items()))
 
 
-def _instantiate(template: _Template, request: ReadRequest) -> list[PeerRead]:
+def plan_key(
+    peer_state: DataTransceiverState,
+    num_blocks: int,
+    self_blocks: int,
+    layerwise: bool,
+    first_block: int,
+    peer_dp_rank: int,
+    local_ids: int,
+    peer_block_ids: tuple[tuple[int, ...], ...],
+    no_self_slot: bool,
+    no_peer_slot: bool,
+) -> tuple:
+    """What a template is kept by: the ctx instance state, the request's blocks on each side (the ctx's may be
+    another size), layer-wise (those stage what others read as rows), the reused prefix, the ctx DP rank, how many
+    ids each side names, and which sides carry a state slot."""
+    return (
+        id(peer_state),
+        num_blocks,
+        self_blocks,
+        layerwise,
+        first_block,
+        peer_dp_rank,
+        local_ids,
+        tuple(len(ids) for ids in peer_block_ids),
+        no_self_slot,
+        no_peer_slot,
+    )
+
+
+def _instantiate(
+    template: _Template,
+    local_block_ids: np.ndarray,
+    peer_block_ids: tuple[tuple[int, ...], ...],
+    self_pool_blocks: int,
+) -> list[PeerRead]:
     """The template with the request's block ids, checked as the formatter checks them."""
-    local = np.asarray(request.local_block_ids)
-    check_block_range("gen block id", local, request.self_layout.num_blocks)
+    local = np.asarray(local_block_ids)
+    check_block_range("gen block id", local, self_pool_blocks)
     for cp_rank, pool_blocks in template.pool_blocks:
-        check_block_range("ctx block id", request.peer_block_ids[cp_rank], pool_blocks)
+        check_block_range("ctx block id", peer_block_ids[cp_rank], pool_blocks)
     local_ids = local.astype(np.int32)
-    peer_ids = [np.array(ids, dtype=np.int32) for ids in request.peer_block_ids]
+    peer_ids = [np.array(ids, dtype=np.int32) for ids in peer_block_ids]
     return [entry.instantiate(local_ids, peer_ids) for entry in template.reads]
