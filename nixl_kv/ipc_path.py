@@ -54,8 +54,8 @@ MAX_POOLS = 1024
 # A READ of fewer rows goes to NIXL: one descriptor moves at the copy engine's rate for about the fixed cost of a
 # kernel launch with its table; from a few descriptors on (about 10 µs each through cuda_ipc) the kernel is cheaper.
 MIN_ROWS = 4
-# Off unless NIXL_KV_IPC_GATHER=1: the gather has not yet run inside a request on a GPU (its GPU tests,
-# tests/test_gpu_ipc.py, have not passed on one), so no deployment takes it by default.
+# Off unless NIXL_KV_IPC_GATHER=1: its GPU tests (tests/test_gpu_ipc.py) passed on one H200, but on that H200 it
+# was faster than NIXL's READs in only one of three TP pairings (BENCHMARKS.md, issue 33), so none takes it by default.
 ENV_SWITCH = "NIXL_KV_IPC_GATHER"
 # Runs at least this long are read directly (as rows, one gather) from peers whose pools are mapped, where NIXL READs
 # need runs of 1 MiB (``config.DIRECT_MIN_RUN_BYTES``) to beat staging: a TP or head-slice mismatch is then one

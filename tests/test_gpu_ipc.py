@@ -51,7 +51,9 @@ def test_faults_end_as_they_must_on_the_gather_path() -> None:
     assert summary["mismatched_elements"] == 0 and _ipc_paths(summary), summary
 
 
-def test_handles_the_driver_refuses_fall_back_to_nixl_and_a_gather_is_polled_like_a_read() -> None:
+def test_handles_the_driver_refuses_fall_back_to_nixl_and_a_gather_is_polled_like_a_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A blob of this host whose handle names no allocation: that peer is read through NIXL. A peer in this process
     (its own addresses): a READ of rows is one gather, polled, released and byte-exact like a READ."""
     import time
@@ -63,6 +65,7 @@ def test_handles_the_driver_refuses_fall_back_to_nixl_and_a_gather_is_polled_lik
     from nixl_kv.layout import MemoryKind
     from nixl_kv.state import RankCommInfo
 
+    monkeypatch.setenv(ipc_path.ENV_SWITCH, "1")  # export_blob exports nothing while the gather is off (default)
     source, target = (PagedKVCache(8, 2, 2, 16, 64, DataType.BFLOAT16, memory=MemoryKind.VRAM) for _ in range(2))
     exported = ipc_path.export_blob(source.layout.pools)
     assert exported  # this process could export its pool

@@ -3,7 +3,9 @@
 Each layout (tests/vllm_layout_peer.py builds the tensors as vLLM 0.32 allocates them) is described by
 ``nixl_kv.vllm.kv_layout`` and pulled between two processes with real NIXL, byte-exact, into a decode instance of a
 different block size where the layout allows it (MLA's formatter needs equal block sizes); each layout's
-per-request time is reported beside a raw NIXL READ of the same bytes. On CUDA on the GPU machine
+per-request time (the median of the 8 requests after 3 untimed ones) is reported beside a raw NIXL READ of the same
+bytes between the same two processes (``pytest -s`` prints a ``LAYOUT`` JSON line per layout; where ``OUT`` is set,
+they are appended to ``$OUT/vllm_layouts.jsonl`` too). On CUDA on the GPU machine
 (``pytest tests/test_gpu_vllm_layouts.py``, skipped where torch has no CUDA device); the same pairings run small on
 DRAM everywhere, so CI checks the layout code too.
 """
@@ -49,8 +51,11 @@ def pull(layout: str, ctx_block: int, gen_block: int, device: str) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layout", "ctx_block", "gen_block"), PAIRINGS)
 def test_a_vllm_gpu_layout_moves_byte_exact_beside_a_raw_read(layout: str, ctx_block: int, gen_block: int) -> None:
-    summary = pull(layout, ctx_block, gen_block, "cuda")
+    summary = {**pull(layout, ctx_block, gen_block, "cuda"), "blocks": f"{ctx_block}->{gen_block}"}
     print("LAYOUT", json.dumps(summary))  # BENCHMARKS.md: each layout's per-request time beside its raw READ
+    if os.environ.get("OUT"):  # the GPU machine's folder of files sent back: one JSON line a layout
+        with open(os.path.join(os.environ["OUT"], "vllm_layouts.jsonl"), "a") as out:
+            out.write(json.dumps(summary) + "\n")
     assert summary["verified"] == summary["requests"] == 11 and summary["mismatched_elements"] == 0, summary
 
 

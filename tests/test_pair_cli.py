@@ -191,6 +191,23 @@ def test_a_slow_transport_is_reported() -> None:
     assert result.stderr.count("UCX is likely staging through host memory or using TCP") == 1
 
 
+def test_ctx_ranks_hold_a_round_in_the_same_blocks_when_it_starts_within_the_last_rounds_hold_promise() -> None:
+    """A 2-rank ctx whose rounds start while the last round's blocks are still promised (a 90 ms hold promise, rounds
+    of a few ms on a GPU): each rank releases them at its own moment, so its allocator could place the next round
+    elsewhere than the other's, and the gen's hold token (from the params, one rank's blocks) would not match what
+    the other rank pinned. The harness's ctx ranks agree on their blocks first (at 3430fb7 this test failed, and 60
+    such rounds failed 38 of 120 requests)."""
+    env = dict(os.environ, NIXL_KV_HOLD_PROMISE_MS="90")
+    result = subprocess.run(
+        [sys.executable, "-m", "nixl_kv.cli", "pair", "--layers", "4", "--kv-heads", "8", "--head-dim", "64",
+         "--tokens-per-block", "16", "--ctx=tp=2", "--gen=tp=1", "--requests", "40,300", "--rounds", "40", "--json"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = _summary(result)
+    assert summary["verified"] == summary["requests"] == 80 and summary["ctx_errors"] == {}, summary["ctx_errors"]
+
+
 @pytest.mark.parametrize("fault", ["stop", "kill"])
 def test_a_stopped_or_killed_ctx_ends_that_rounds_requests_without_wrong_bytes_leaks_or_strays(fault: str) -> None:
     common = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "16", "--dtype", "int8"]

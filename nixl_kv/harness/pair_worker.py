@@ -41,7 +41,7 @@ from nixl_kv.requests import RequestState, TransferRequest
 from nixl_kv.rnn import rnn_share
 from nixl_kv.rnn_cache import RnnStatePools
 from nixl_kv.state import AttentionType, CacheState, ConvSectionLayout, ModelConfig, ParallelConfig, RnnConfig
-from nixl_kv.topology import Share, holds_request, share
+from nixl_kv.topology import Share, holds_request, position, share
 from nixl_kv.transceiver import CacheTransceiver
 
 
@@ -213,6 +213,7 @@ class InstanceSpec:
 
 
 ALLOCATE_WAIT_S = 5.0
+ALLOCATE_RETRY_S = 1e-3  # ctx ranks whose blocks differ try again after this (``Instance._allocate_agreed``)
 
 
 def _layers(where: Slice) -> range:
@@ -319,14 +320,45 @@ class Instance:
                     raise
                 time.sleep(1e-3)
 
+    def _allocate_agreed(self, requests: list[tuple[int, int]]) -> list[Slice]:
+        """Blocks (and state slots) for the ctx rank's requests of a round, the same on every rank that holds the same
+        share of them (the TP and PP ranks of one CP rank), as one scheduler's block table gives them in an engine:
+        the gen reads every such rank at the blocks the params name (one rank's), and each rank's hold token covers
+        its own blocks, so ranks that disagree fail those requests ("hold token does not match"). Each rank's pools
+        hold earlier rounds' blocks until their hold promise runs out (``hold_promise_ms``), at a slightly different
+        moment on each rank, so a round that starts within it can find their free blocks different: then every rank
+        gives the round's blocks back and tries again a moment later, until they agree."""
+        deadline, tries = time.monotonic() + ALLOCATE_WAIT_S, 0
+        while True:
+            placed = [self.allocate(request_id, num_tokens) for request_id, num_tokens in requests]
+            if self.comm.size == 1:
+                return placed
+            group = (position(self.parallel, self.comm.rank).cp_rank, tuple(requests))
+            mine = tuple((tuple(self.cache.block_ids(rid).tolist()), self._slot(rid)) for rid, _ in requests)
+            every = self.comm.allgather((group, mine, time.monotonic() > deadline))  # (every rank decides alike)
+            first: dict[Any, Any] = {}
+            if all(first.setdefault(key, held) == held for key, held, _ in every):
+                if tries and self.comm.rank == 0:
+                    print(f"[pair] ctx ranks' blocks differed: allocated {tries + 1} times", file=sys.stderr)
+                return placed
+            tries += 1
+            for request_id, _ in requests:
+                self._free(request_id)  # (not pinned yet: back at once)
+            if any(late for *_, late in every):
+                raise RuntimeError(f"ctx ranks did not agree on the blocks of requests {[r for r, _ in requests]}")
+            time.sleep(ALLOCATE_RETRY_S)
+
+    def _slot(self, request_id: int) -> int | None:
+        return self.cache.rnn_slot(request_id) if self.cache.rnn is not None else None
+
     # --- ctx ---------------------------------------------------------------------------------------------
     def send(self, requests: list[list[int]]) -> list[tuple[int, str]]:
         """Prefill (fill) and respond; layer-wise, the batch's layers are then marked done one by one."""
         batch = []
-        for index, (request_id, num_tokens) in enumerate(requests):
-            if not self.holds(index):
-                continue
-            where = self.allocate(request_id, num_tokens)
+        held = [
+            (request_id, num_tokens) for index, (request_id, num_tokens) in enumerate(requests) if self.holds(index)
+        ]
+        for (request_id, num_tokens), where in zip(held, self._allocate_agreed(held), strict=True):
             self._write(request_id, request_id, where)
             if self.cache_state.rnn is not None:
                 mine = rnn_share(self.cache_state.rnn, self.parallel, self.comm.rank)
