@@ -127,21 +127,22 @@ class HoldBoard:
         """Show the token with its promise (``until_ns ^ promise_mask``); False when its window is full (its
         readers then ask for a verdict)."""
         start = window_start(token, self._slots)
-        with self._lock:
-            tokens = self._entries[start : start + WINDOW, 0]
-            free = np.flatnonzero(tokens == 0)
-            if not len(free):
+        with self._lock:  # (a window is 8 entries: a Python scan costs less than numpy's per-call overhead)
+            tokens = self._entries[start : start + WINDOW, 0].tolist()
+            if 0 not in tokens:
                 return False
-            self._entries[start + free[0], 1] = masked_until
-            self._entries[start + free[0], 0] = token
+            entry = start + tokens.index(0)
+            self._entries[entry, 1] = masked_until
+            self._entries[entry, 0] = token
             return True
 
     def clear(self, token: int) -> None:
         """Before the blocks are released: from now on no reader sees the hold."""
         start = window_start(token, self._slots)
         with self._lock:
-            tokens = self._entries[start : start + WINDOW, 0]
-            tokens[tokens == np.uint64(token)] = 0
+            for offset, shown in enumerate(self._entries[start : start + WINDOW, 0].tolist()):
+                if shown == token:
+                    self._entries[start + offset, 0] = 0
 
     @property
     def posted(self) -> int:
