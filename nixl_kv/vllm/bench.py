@@ -1,15 +1,16 @@
 """``scripts/bench_vllm.sh``: nixl_kv's connector, vLLM's NixlConnector and aggregated vLLM, side by side in one run.
 
 By default each configuration runs alone on the machine (its servers start, serve every cell, stop); with
-``--interleave`` every configuration's servers are up at once and each cell runs through each configuration in
-turn (aggregated first, the two connectors in alternating order), so a drift in the machine's load falls on both
-connectors alike. Same checkpoint and same prompts for all: a few layers, wide enough that a request's KV is several
-MiB. The connectors are the timed subclasses (``nixl_kv.vllm.timing``), so their host time is measured the same way.
-Per cell (prompt length, concurrency): time to first token at the client (p50/p99), the decode instance's own time
-per request (the mean of its ``vllm:e2e_request_latency_seconds`` over the cell: from the request's arrival there,
-the pull included, to its last token), the transfer's own time per request from each connector's Prometheus
-histogram, decode tokens per second, the connector's hook time per request, and whether every output equals
-aggregated vLLM's.
+``--interleave`` every configuration's servers are up at once and each cell runs through each configuration in turn
+(aggregated first, the two connectors in alternating order), so a drift in the machine's load falls on both
+connectors alike; during a cell the other configurations' vLLM servers are paused (SIGSTOP), since an idle
+NixlConnector pair's NIXL progress threads spin and would take the measured configuration's CPUs. Same checkpoint
+and same prompts for all: a few layers, wide enough that a request's KV is several MiB. The connectors are the timed
+subclasses (``nixl_kv.vllm.timing``), so their host time is measured the same way. Per cell (prompt length,
+concurrency): time to first token at the client (p50/p99), the decode instance's own time per request (the mean of
+its ``vllm:e2e_request_latency_seconds`` over the cell: from the request's arrival there, the pull included, to its
+last token), the transfer's own time per request from each connector's Prometheus histogram, decode tokens per
+second, the connector's hook time per request, and whether every output equals aggregated vLLM's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from nixl_kv.serving.launcher import Server
 from nixl_kv.vllm.client import Completion, complete, prompt_of, scrape
 from nixl_kv.vllm.launch import KINDS, Instance, VllmServers, make_model
 
@@ -39,8 +41,9 @@ class Entry:
     """A configuration's way in: the URL requests go to, its decode server (None: aggregated), its hook-time folder."""
 
     url: str
-    decode: object | None
+    decode: Server | None
     hook_dir: Path
+    servers: tuple[Server, ...]  # its vLLM servers (not the router): paused while another configuration runs
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ def run_phase(
                     connectors.reverse()
                 turn += 1
                 for configuration in [c for c in configurations if c == "aggregated"] + connectors:
+                    alone(entries, configuration)
                     want = None
                     if configuration != "aggregated":
                         reference = cells["aggregated"]
@@ -135,6 +139,17 @@ def run_phase(
                     cell = measure(client, configuration, entries[configuration], length, concurrency, args, want)
                     cells[configuration].append(cell)
                     print(f"[bench] {cell}"[:240], file=sys.stderr, flush=True)
+        alone(entries, None)
+
+
+def alone(entries: dict[str, Entry], running: str | None) -> None:
+    """Only ``running``'s servers may run (None: every configuration's)."""
+    for configuration, entry in entries.items():
+        for server in entry.servers:
+            if running in (None, configuration):
+                server.resume()
+            else:
+                server.pause()
 
 
 def start(servers: VllmServers, configuration: str, kind: str) -> Entry:
@@ -144,7 +159,7 @@ def start(servers: VllmServers, configuration: str, kind: str) -> Entry:
     extra = KINDS[kind]
     if configuration == "aggregated":
         server = servers.start(Instance(extra_args=extra, env=env), "aggregated")
-        return Entry(server.url, None, hook_dir)
+        return Entry(server.url, None, hook_dir, (server,))
     timed = f"{configuration}-timed"
     config = (("allow_cpu_mla", True),) if kind == "deepseek_mla" else ()  # read by nixl_kv's only
     prefill = servers.start(
@@ -154,7 +169,7 @@ def start(servers: VllmServers, configuration: str, kind: str) -> Entry:
         Instance("kv_consumer", timed, extra_config=config, extra_args=extra, env=env), f"{configuration}-decode"
     )
     router = servers.start_router([prefill], [decode], name=f"{configuration}-router")
-    return Entry(router.url, decode, hook_dir)
+    return Entry(router.url, decode, hook_dir, (prefill, decode))
 
 
 def measure(
