@@ -4,13 +4,13 @@ By default each configuration runs alone on the machine (its servers start, serv
 ``--interleave`` every configuration's servers are up at once and each cell runs through each configuration in turn
 (aggregated first, the two connectors in alternating order), so a drift in the machine's load falls on both
 connectors alike; during a cell the other configurations' vLLM servers are paused (SIGSTOP), since an idle
-NixlConnector pair's NIXL progress threads spin and would take the measured configuration's CPUs. Same checkpoint
-and same prompts for all: a few layers, wide enough that a request's KV is several MiB. The connectors are the timed
-subclasses (``nixl_kv.vllm.timing``), so their host time is measured the same way. Per cell (prompt length,
-concurrency): time to first token at the client (p50/p99), the decode instance's own time per request (the mean of
-its ``vllm:e2e_request_latency_seconds`` over the cell: from the request's arrival there, the pull included, to its
-last token), the transfer's own time per request from each connector's Prometheus histogram, decode tokens per
-second, the connector's hook time per request, and whether every output equals aggregated vLLM's.
+NixlConnector pair kept two threads of each worker busy (BENCHMARKS.md), taking the measured configuration's CPUs.
+Same checkpoint and same prompts for all: a few layers, wide enough that a request's KV is several MiB. The
+connectors are the timed subclasses (``nixl_kv.vllm.timing``), so their host time is measured the same way. Per cell
+(prompt length, concurrency): time to first token at the client (p50/p99), the decode instance's own time per
+request (the mean of its ``vllm:e2e_request_latency_seconds`` over the cell: from the request's arrival there, the
+pull included, to its last token), the transfer's own time per request from each connector's Prometheus histogram,
+decode tokens per second, the connector's hook time per request, and whether every output equals aggregated vLLM's.
 """
 
 from __future__ import annotations
